@@ -1,0 +1,48 @@
+# The course's commands. Each target creates .venv and installs the pinned dependencies on first
+# use; later runs find the stamp file and skip the installs.
+#
+#   make serve      the site on http://127.0.0.1:8000, reloading on edits to docs/, snippets/, lessons_src/
+#   make test       the whole suite: unit and multi-process tests, every code block, site build, browser
+#   make build      mkdocs build --strict into site/, executing every lesson (no cache)
+#   make test-gpu   the CUDA/NCCL-marked tests; fails when no GPU is present
+#   make bench      the benchmarks, written to bench.json
+#
+# On a Linux machine without a GPU, `make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
+# installs the CPU-only PyTorch wheel instead of PyPI's CUDA build.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+TORCH_INDEX_URL ?=
+HOST   ?= 127.0.0.1:8000
+
+.PHONY: serve build test test-gpu bench clean
+
+export NO_MKDOCS_2_WARNING := 1
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch would pull several GB of CUDA wheels.
+	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[site,test]'
+	touch $(STAMP)
+
+serve: $(STAMP)
+	LESSON_CACHE=true $(VENV)/bin/mkdocs serve --dev-addr $(HOST)
+
+build: $(STAMP)
+	LESSON_CACHE=false $(VENV)/bin/mkdocs build --strict
+
+test: $(STAMP)
+	$(PY) -m pytest
+
+test-gpu: $(STAMP)
+	REQUIRE_GPU=1 $(PY) -m pytest -m cuda
+
+bench: $(STAMP)
+	$(PY) -m snippets.bench --out bench.json
+
+clean:
+	rm -rf site .cache .pytest_cache runs logs

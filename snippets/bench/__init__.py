@@ -1,0 +1,10 @@
+"""Benchmarks behind `make bench`.
+
+Each benchmark is a module in this package with a `run() -> dict` function, listed in BENCHMARKS.
+`python -m snippets.bench` runs them and writes one JSON file with the machine they ran on.
+Compare numbers as ratios taken in the same run: absolute times on shared machines are noise.
+"""
+
+BENCHMARKS = [
+    "snippets.bench.matmul",
+]

@@ -1,0 +1,193 @@
+"""The code-block runner (tests/codeblocks.py) on pages written for the purpose: it runs what it
+must, fails loudly with the block's output, and refuses blocks that are neither run nor marked."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+def run_pages(tmp_path, **pages) -> subprocess.CompletedProcess:
+    docs = tmp_path / "docs"
+    docs.mkdir(parents=True)
+    for name, text in pages.items():
+        (docs / f"{name}.md").write_text(textwrap.dedent(text))
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+         "--rootdir", str(ROOT),
+         "--codeblocks-docs", str(docs), str(docs)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+
+
+def test_failing_shell_block_fails_with_its_output(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```bash
+        echo "to stdout"; echo "to stderr" >&2
+        python -c 'raise SystemExit(3)'
+        ```
+        """)
+    assert result.returncode == 1
+    assert "exited with status 3" in result.stdout
+    assert "to stdout" in result.stdout and "to stderr" in result.stdout
+    assert "python -c 'raise SystemExit(3)'" in result.stdout  # the code as it ran
+
+
+def test_bash_stops_at_the_first_failing_command(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```sh
+        false
+        echo "not reached"
+        ```
+        """)
+    assert result.returncode == 1
+    assert "exited with status 1" in result.stdout
+
+
+def test_fence_with_attributes_runs_and_includes_expand(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```python title="snippets/machine.py"
+        --8<-- "snippets/machine.py:pick-device"
+        import torch
+        print("picked", pick_device("cpu"))
+        ```
+        """)
+    # The section is a bare function (no import torch above it), so this fails *at run time*,
+    # which proves it ran instead of being skipped as the stock pytest-codeblocks plugin would.
+    assert result.returncode == 1
+    assert "NameError: name 'torch' is not defined" in result.stdout
+
+
+def test_expected_output_and_cont(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```python
+        x = 6 * 7
+        ```
+
+        <!--pytest-codeblocks:cont-->
+        ```python
+        print(x)
+        ```
+
+        <!--pytest-codeblocks:expected-output-->
+        ```text
+        42
+        ```
+
+        ```python
+        print("right")
+        ```
+
+        <!--pytest-codeblocks:expected-output-->
+        ```text
+        wrong
+        ```
+        """)
+    assert result.returncode == 1
+    assert "1 failed, 1 passed" in result.stdout
+    assert "-wrong" in result.stdout and "+right" in result.stdout
+
+
+def test_unknown_language_and_unmarked_blocks_fail(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```ini
+        [section]
+        ```
+
+        ```
+        no language at all
+        ```
+
+        ```text
+        output is fine
+        ```
+        """)
+    assert result.returncode == 1
+    assert result.stdout.count("is neither run nor marked") == 2
+    assert "NEITHER RUN NOR MARKED: 2" in result.stdout
+    assert "shown as text or diagrams: 1" in result.stdout
+
+
+def test_skip_needs_a_reason_and_reasons_are_listed(tmp_path):
+    no_reason = run_pages(tmp_path / "a", page="""
+        <!--pytest.mark.skip-->
+        ```bash
+        exit 1
+        ```
+        """)
+    assert no_reason.returncode != 0
+    assert "needs a reason" in no_reason.stdout
+
+    with_reason = run_pages(tmp_path / "b", page="""
+        <!--pytest.mark.skip(reason="needs a 4-node cluster")-->
+        ```bash
+        exit 1
+        ```
+        """)
+    assert with_reason.returncode == 0
+    assert "page.md:3: needs a 4-node cluster" in with_reason.stdout
+
+
+def test_data_blocks_are_parsed(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```json
+        {"train_batch_size": 8}
+        ```
+
+        ```yaml
+        a: [1, 2
+        ```
+        """)
+    assert result.returncode == 1
+    assert "this yaml block does not parse" in result.stdout
+    assert "1 failed, 1 passed" in result.stdout
+
+
+def test_excerpt_must_only_include_and_imports_its_module(tmp_path):
+    ok = run_pages(tmp_path / "a", page="""
+        <!--pytest.mark.excerpt-->
+        ```python
+        --8<-- "snippets/machine.py:machine-info"
+        ```
+        """)
+    assert ok.returncode == 0, ok.stdout
+    pasted = run_pages(tmp_path / "b", page="""
+        <!--pytest.mark.excerpt-->
+        ```python
+        def pasted(): pass
+        ```
+        """)
+    assert pasted.returncode == 1
+    assert "may only hold --8<-- includes" in pasted.stdout
+
+
+def test_missing_section_fails(tmp_path):
+    result = run_pages(tmp_path, page="""
+        ```python
+        --8<-- "snippets/machine.py:no-such-section"
+        ```
+        """)
+    assert result.returncode == 1
+    assert "no-such-section" in result.stdout
+
+
+@pytest.mark.parametrize("require", ["0", "1"])
+def test_cuda_blocks_skip_with_reason_or_fail_when_required(tmp_path, require, monkeypatch):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the block would run; the CPU behaviour is tested elsewhere")
+    monkeypatch.setenv("REQUIRE_GPU", require)
+    result = run_pages(tmp_path, page="""
+        <!--pytest.mark.cuda(reason="FP8 matmul")-->
+        ```bash
+        nvidia-smi
+        ```
+        """)
+    if require == "1":
+        assert result.returncode == 1 and "REQUIRE_GPU=1" in result.stdout
+    else:
+        assert result.returncode == 0 and "needs CUDA: FP8 matmul" in result.stdout

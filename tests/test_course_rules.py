@@ -1,0 +1,59 @@
+"""The course's rule for `snippets/scratch/`: only torch.distributed primitives, never the library
+class a lesson re-implements (DESIGN.md, "The literate-code contract", rule 5)."""
+
+import ast
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+FORBIDDEN = {
+    "DistributedDataParallel": "re-implemented by snippets/scratch/ddp.py",
+    "FullyShardedDataParallel": "re-implemented by snippets/scratch/zero.py",
+    "fully_shard": "re-implemented by snippets/scratch/zero.py",
+    "ZeroRedundancyOptimizer": "re-implemented by snippets/scratch/zero.py",
+    "DTensor": "re-implemented by snippets/scratch/tensor_parallel.py",
+    "distribute_tensor": "re-implemented by snippets/scratch/tensor_parallel.py",
+    "parallelize_module": "re-implemented by snippets/scratch/tensor_parallel.py",
+    "torch.distributed.fsdp": "re-implemented by snippets/scratch/zero.py",
+    "torch.distributed.tensor": "re-implemented by snippets/scratch/tensor_parallel.py",
+    "torch.distributed.pipelining": "re-implemented by snippets/scratch/pipeline.py",
+    "torch.distributed.optim": "re-implemented by snippets/scratch/zero.py",
+    "torch.nn.parallel": "re-implemented by snippets/scratch/ddp.py",
+}
+
+
+def violations(source: str) -> list[str]:
+    """Names and modules from FORBIDDEN that the code imports or refers to."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.Attribute):
+            names = [node.attr, ast.unparse(node)]
+        elif isinstance(node, ast.Name):
+            names = [node.id]
+        for name in names:
+            for bad in FORBIDDEN:
+                if name == bad or name.startswith(bad + "."):
+                    found.append(f"line {node.lineno}: {name} ({FORBIDDEN[bad]})")
+    return found
+
+
+def test_the_checker_catches_library_classes():
+    assert violations("from torch.nn.parallel import DistributedDataParallel as DDP")
+    assert violations("import torch\nm = torch.nn.parallel.DistributedDataParallel(m)")
+    assert violations("from torch.distributed.fsdp import fully_shard")
+    assert violations("from torch.distributed.pipelining import ScheduleGPipe")
+    assert not violations("import torch.distributed as dist\ndist.all_reduce(t)\ndist.send(t, 1)")
+
+
+def test_scratch_uses_only_distributed_primitives():
+    scratch = sorted((ROOT / "snippets" / "scratch").glob("*.py"))
+    problems = {
+        str(path.relative_to(ROOT)): v for path in scratch if (v := violations(path.read_text()))
+    }
+    assert not problems, f"snippets/scratch/ must use torch.distributed primitives only: {problems}"

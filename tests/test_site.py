@@ -1,0 +1,98 @@
+"""The site builds strictly, references nothing outside itself, and `mkdocs serve` serves it."""
+
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from html.parser import HTMLParser
+from pathlib import Path
+
+from tests.conftest import ROOT, free_port, mkdocs
+
+LOOPBACK = re.compile(r"^https?://(127\.0\.0\.1|localhost)(:\d+)?/")
+
+
+class ResourceLinks(HTMLParser):
+    """Collect the URLs a browser would load on its own: scripts, styles, images, frames."""
+
+    def __init__(self):
+        super().__init__()
+        self.urls = []
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if tag in {"script", "img", "iframe", "source", "audio", "video"} and a.get("src"):
+            self.urls.append(a["src"])
+        if tag == "link" and a.get("href") and set((a.get("rel") or "").split()) & {
+            "stylesheet", "preload", "modulepreload", "icon", "manifest", "prefetch"
+        }:
+            self.urls.append(a["href"])
+
+
+def test_built_site_loads_nothing_from_other_hosts(built_site: Path):
+    pages = list(built_site.rglob("*.html"))
+    assert len(pages) >= 10, f"only {len(pages)} pages built"
+    outside = []
+    for page in pages:
+        text = page.read_text(encoding="utf-8")
+        parser = ResourceLinks()
+        parser.feed(text)
+        urls = parser.urls + re.findall(r"""import\(\s*["']([^"']+)""", text)
+        outside += [f"{page.relative_to(built_site)}: {u}" for u in urls
+                    if re.match(r"^(https?:)?//", u) and not LOOPBACK.match(u)]
+    for css in built_site.rglob("*.css"):
+        outside += [f"{css.relative_to(built_site)}: {u}" for u in
+                    re.findall(r"""url\(\s*["']?((?:https?:)?//[^)"']+)""", css.read_text())]
+    assert not outside, "resources loaded from outside the site:\n" + "\n".join(outside)
+
+
+def test_executed_lesson_has_real_output(built_site: Path):
+    html = (built_site / "lessons" / "memory_arithmetic" / "index.html").read_text()
+    assert "total model state: 16.0 bytes/param" in html  # printed by the lesson's own run
+    assert "data:image/png;base64," in html  # the matplotlib figure
+
+
+def write_site(tmp: Path, page: str) -> Path:
+    docs = tmp / "docs"
+    docs.mkdir(parents=True)
+    (docs / "index.md").write_text(page)
+    config = tmp / "mkdocs.yml"
+    # Inherit the real configuration (snippets options included); only the pages differ.
+    config.write_text(
+        f"INHERIT: {ROOT / 'mkdocs.yml'}\ndocs_dir: {docs}\nsite_dir: {tmp / 'site'}\n"
+        "nav: [index.md]\nhooks: []\nwatch: []\nplugins: [search]\nextra_css: []\nextra_javascript: []\n"
+    )
+    return config
+
+
+def test_missing_snippet_section_fails_the_build(tmp_path):
+    good = write_site(tmp_path / "good", '```python\n--8<-- "snippets/machine.py:pick-device"\n```\n')
+    assert mkdocs("build", "--strict", "-f", str(good)).returncode == 0
+    bad = write_site(tmp_path / "bad", '```python\n--8<-- "snippets/machine.py:pick-the-device"\n```\n')
+    result = mkdocs("build", "--strict", "-f", str(bad))
+    assert result.returncode != 0
+    assert "pick-the-device" in result.stdout + result.stderr
+
+
+def test_make_serve_command_serves_home_page():
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{port}", "--no-livereload"],
+        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={"LESSON_CACHE": "true", "NO_MKDOCS_2_WARNING": "1", **__import__("os").environ},
+    )
+    try:
+        deadline, html = time.time() + 300, None
+        while time.time() < deadline and server.poll() is None:
+            try:
+                html = urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5).read().decode()
+                break
+            except OSError:
+                time.sleep(1)
+        assert html is not None, f"mkdocs serve did not answer:\n{server.stdout.read() if server.poll() is not None else ''}"
+        assert "<title>From Scratch to Scale" in html
+        assert "Who this is for" in html
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
