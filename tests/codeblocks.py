@@ -297,18 +297,31 @@ def pytest_configure(config):
     )
 
 
-def pytest_runtest_setup(item):
-    cuda = item.get_closest_marker("cuda")
-    if cuda is None:
+def cuda_reason(mark) -> str:
+    return mark.kwargs.get("reason") or (mark.args[0] if mark.args else "needs an NVIDIA GPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    """`cuda`-marked tests and blocks run only where CUDA is; elsewhere they skip with the reason,
+    or fail under REQUIRE_GPU=1 (`make test-gpu`), so a GPU run can never pass by skipping."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
         return
     import torch
 
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() or os.environ.get("REQUIRE_GPU") == "1":
         return
-    reason = cuda.kwargs.get("reason") or (cuda.args[0] if cuda.args else "needs an NVIDIA GPU")
-    if os.environ.get("REQUIRE_GPU") == "1":
-        pytest.fail(f"REQUIRE_GPU=1 but torch.cuda.is_available() is False ({reason})")
-    pytest.skip(f"needs CUDA: {reason}")
+    for item in marked:
+        item.add_marker(pytest.mark.skip(reason=f"needs CUDA: {cuda_reason(item.get_closest_marker('cuda'))}"))
+
+
+def pytest_runtest_setup(item):
+    cuda = item.get_closest_marker("cuda")
+    if cuda is not None and os.environ.get("REQUIRE_GPU") == "1":
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.fail(f"REQUIRE_GPU=1 but torch.cuda.is_available() is False ({cuda_reason(cuda)})")
 
 
 def pytest_runtest_logreport(report):
