@@ -7,4 +7,5 @@ Compare numbers as ratios taken in the same run: absolute times on shared machin
 
 BENCHMARKS = [
     "snippets.bench.matmul",
+    "snippets.bench.train_throughput",
 ]
