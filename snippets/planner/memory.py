@@ -27,11 +27,14 @@ def model_state_bytes(num_params: int, precision: str = "fp32") -> dict:
 def measure_activation_bytes(model, input_ids, targets) -> int:
     """Bytes autograd keeps alive between forward and backward: every tensor the forward saves
     for the backward pass, counted once per storage (views of one tensor share it)."""
+    # Weights are saved too (often as transposed views), but they are model state, not
+    # activations: recognise them by their storage.
+    model_state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     storages = {}
 
     def pack(tensor):
-        if not isinstance(tensor, torch.nn.Parameter):  # weights are counted in model state
-            storage = tensor.untyped_storage()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in model_state:
             storages[storage.data_ptr()] = storage.nbytes()
         return tensor
 
