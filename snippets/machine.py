@@ -12,23 +12,29 @@ import torch
 
 
 # --8<-- [start:pick-device]
+class DeviceError(RuntimeError):
+    """The requested device is not usable here; the message says why and what to pass instead."""
+
+
 def pick_device(preference: str = "auto") -> torch.device:
-    """Return the device to train on: CUDA if present, else Apple's MPS, else the CPU."""
-    available = {
-        "cuda": torch.cuda.is_available(),
-        "mps": torch.backends.mps.is_available(),
-        "cpu": True,
-    }
+    """'auto' -> CUDA, then Apple's MPS, then the CPU. Asking for a missing device is an error,
+    not a silent fallback: a run you meant for the GPU should not crawl along on the CPU."""
+    cuda_ok = torch.cuda.is_available()
+    mps_ok = torch.backends.mps.is_available()
     if preference == "auto":
-        return torch.device(next(name for name, ok in available.items() if ok))
-    if preference not in available:
-        raise ValueError(f"--device {preference!r} is not one of auto, cuda, mps, cpu")
-    if not available[preference]:
-        usable = ", ".join(name for name, ok in available.items() if ok)
-        raise RuntimeError(
-            f"--device {preference} was requested but this machine has no {preference} device; "
-            f"use --device auto or one of: {usable}"
-        )
+        return torch.device("cuda" if cuda_ok else "mps" if mps_ok else "cpu")
+    if preference not in ("cuda", "mps", "cpu"):
+        raise DeviceError(f"--device {preference!r} is not one of auto, cuda, mps, cpu")
+    if preference == "cuda" and not cuda_ok:
+        why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
+               else "no NVIDIA GPU or driver is visible")
+        raise DeviceError(f"--device cuda was requested, but CUDA is not available: {why} "
+                          f"(torch {torch.__version__}). Use --device auto or --device cpu.")
+    if preference == "mps" and not mps_ok:
+        why = ("this PyTorch build has no MPS support (it needs macOS on Apple silicon)"
+               if not torch.backends.mps.is_built() else "macOS reports no usable Metal device")
+        raise DeviceError(f"--device mps was requested, but MPS is not available: {why}. "
+                          "Use --device auto or --device cpu.")
     return torch.device(preference)
 # --8<-- [end:pick-device]
 

@@ -1,0 +1,273 @@
+"""Checkpoints that survive crashes: atomic writes, verification, rotation, fallback.
+
+* ``save_checkpoint`` never leaves a half-written file under the final name:
+  it writes a temporary file in the same directory, flushes and fsyncs it,
+  and only then renames it into place with ``os.replace`` (atomic on POSIX
+  and Windows when source and target are on the same filesystem).
+* Next to every ``ckpt-000020.pt`` sits ``ckpt-000020.pt.json`` with the
+  file's size and SHA-256, written *before* the checkpoint is renamed into
+  place. Loading checks both, so a truncated or bit-flipped file is reported
+  instead of being half-loaded.
+* Loading always uses ``torch.load(..., weights_only=True)``: unpickling an
+  arbitrary file can run arbitrary code, and weights-only loading accepts only
+  tensors and plain containers/numbers/strings. ``save_checkpoint`` checks the
+  state against that rule up front, so an unloadable checkpoint is caught at
+  save time, not at resume time.
+* ``CheckpointManager`` keeps the last K checkpoints of a run and, when the
+  newest one is damaged, falls back to the previous good one with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be saved or loaded."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """The file exists but is damaged (truncated, wrong checksum, unreadable)."""
+
+
+class NoCheckpointError(CheckpointError, FileNotFoundError):
+    """There is no checkpoint to resume from."""
+
+
+# --8<-- [start:unwrap-model]
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The bare model inside a DistributedDataParallel (or DataParallel) wrapper.
+
+    Saving ``ddp_model.state_dict()`` would prefix every key with ``module.``,
+    and the checkpoint would then only load into another wrapped model.
+    """
+    return model.module if hasattr(model, "module") else model
+# --8<-- [end:unwrap-model]
+
+
+_SAFE_LEAVES = (torch.Tensor, int, float, bool, str, bytes, type(None), torch.dtype,
+                torch.device, torch.Size)
+
+
+def _check_weights_only_safe(obj: Any, where: str = "state") -> None:
+    """Raise TypeError if ``obj`` holds anything ``torch.load(weights_only=True)`` may refuse."""
+    if isinstance(obj, _SAFE_LEAVES):
+        return
+    if isinstance(obj, dict):
+        for key, value in obj.items():
+            _check_weights_only_safe(key, f"{where} key {key!r}")
+            _check_weights_only_safe(value, f"{where}[{key!r}]")
+        return
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):  # not namedtuples
+        for i, value in enumerate(obj):
+            _check_weights_only_safe(value, f"{where}[{i}]")
+        return
+    raise TypeError(f"{where} is a {type(obj).__module__}.{type(obj).__qualname__}; a checkpoint "
+                    "may hold only tensors, dicts, lists, tuples, numbers, strings and None, "
+                    "so that it loads with torch.load(weights_only=True). Convert it first "
+                    "(e.g. numpy array -> torch.from_numpy, RNG state -> tensor or list).")
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename itself durable (POSIX). Not possible, nor needed, on Windows."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_path(path: Path) -> Path:
+    """A fresh hidden name in the same directory (same filesystem, so os.replace is atomic)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def _write_atomic(path: Path, write) -> None:
+    """Run ``write(file)`` on a temp file next to ``path``, fsync it, rename it to ``path``."""
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before the name points at them
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+# --8<-- [start:atomic-save]
+def save_checkpoint(path: str | Path, state: dict) -> Path:
+    """Write ``state`` to ``path`` atomically, with a size + SHA-256 sidecar."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    _check_weights_only_safe(state)
+    tmp = _temp_path(path)
+    try:
+        with open(tmp, "xb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())  # the bytes are on disk before any name points at them
+        meta = {"file": path.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
+        # The sidecar goes in first: a checkpoint under its final name always has one.
+        _write_atomic(_sidecar(path), lambda f: f.write(json.dumps(meta).encode()))
+        os.replace(tmp, path)  # atomic: the old file or the new one, never half of one
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+# --8<-- [end:atomic-save]
+
+
+# --8<-- [start:verified-load]
+def load_checkpoint(path: str | Path, map_location: str | torch.device = "cpu") -> dict:
+    """Verify ``path`` against its sidecar, then load it with ``weights_only=True``."""
+    path = Path(path)
+    if not path.is_file():
+        raise NoCheckpointError(f"checkpoint not found: {path}")
+    size = path.stat().st_size
+    sidecar = _sidecar(path)
+    if sidecar.is_file():
+        try:
+            meta = json.loads(sidecar.read_text())
+            want_bytes, want_sha = int(meta["bytes"]), meta["sha256"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise CorruptCheckpointError(f"{sidecar}: unreadable checksum file ({err})") from None
+        if size != want_bytes:
+            raise CorruptCheckpointError(
+                f"{path} is {size} bytes but was written as {want_bytes} bytes "
+                f"(truncated or overwritten: {size / max(want_bytes, 1):.0%} of it is there)")
+        if _sha256(path) != want_sha:
+            raise CorruptCheckpointError(f"{path}: SHA-256 does not match {sidecar.name} "
+                                         "(the file is corrupted)")
+    else:  # e.g. a checkpoint copied by hand; loading is the only check left
+        log.warning("%s has no checksum file %s; verifying by loading only", path, sidecar.name)
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, UnpicklingError, EOFError, ...
+        text = str(err)
+        if text.startswith("Weights only load failed"):
+            detail = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+            raise CheckpointError(
+                f"{path} holds a {detail.group(1) if detail else 'Python object'}, which "
+                "torch.load(weights_only=True) refuses to unpickle (unpickling can run "
+                "arbitrary code); it was not written by save_checkpoint") from None
+        first_line = text.splitlines()[0] if text else ""
+        raise CorruptCheckpointError(f"{path} ({size} bytes) cannot be read by torch.load: "
+                                     f"{type(err).__name__}: {first_line}") from None
+# --8<-- [end:verified-load]
+
+
+@dataclass
+class LoadedCheckpoint:
+    step: int
+    path: Path
+    state: dict
+
+
+class CheckpointManager:
+    """``ckpt-<step>.pt`` files in one directory, keeping the newest ``keep_last``."""
+
+    pattern = re.compile(r"^ckpt-(\d+)\.pt$")
+
+    def __init__(self, directory: str | Path, keep_last: int = 3):
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+        self.directory = Path(directory)
+        self.keep_last = keep_last
+
+    def path_for(self, step: int) -> Path:
+        return self.directory / f"ckpt-{step:08d}.pt"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """(step, path) of every checkpoint file, oldest first."""
+        if not self.directory.is_dir():
+            return []
+        found = []
+        for p in self.directory.iterdir():
+            m = self.pattern.match(p.name)
+            if m:
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        """The newest checkpoint file (not yet verified), or None."""
+        found = self.checkpoints()
+        return found[-1][1] if found else None
+
+    # --8<-- [start:rotate]
+    def save(self, step: int, state: dict) -> Path:
+        path = save_checkpoint(self.path_for(step), state)
+        # Only now that the new file is safely in place may old ones go.
+        for _, old in self.checkpoints()[: -self.keep_last]:
+            self._remove(old)
+        for leftover in self.directory.glob(".ckpt-*.tmp"):  # from a save that was killed
+            leftover.unlink(missing_ok=True)
+        return path
+    # --8<-- [end:rotate]
+
+    def remove_all(self) -> int:
+        """Delete every checkpoint (a fresh run must not mix with an old one); returns the count."""
+        found = self.checkpoints()
+        for _, path in found:
+            self._remove(path)
+        return len(found)
+
+    @staticmethod
+    def _remove(path: Path) -> None:
+        path.unlink(missing_ok=True)
+        _sidecar(path).unlink(missing_ok=True)
+
+    # --8<-- [start:load-latest]
+    def load_latest(self, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
+        """The newest checkpoint that verifies and loads; damaged ones are skipped with a warning."""
+        found = self.checkpoints()
+        if not found:
+            raise NoCheckpointError(f"no checkpoint to resume from in {self.directory} "
+                                    "(looked for ckpt-*.pt); start a run without --resume first")
+        problems = []
+        for step, path in reversed(found):
+            try:
+                state = load_checkpoint(path, map_location=map_location)
+            except CheckpointError as err:
+                problems.append(str(err))
+                log.warning("skipping damaged checkpoint: %s; falling back to the previous one", err)
+                continue
+            if problems:
+                log.warning("resuming from %s (step %d) instead of the newest checkpoint",
+                            path.name, step)
+            return LoadedCheckpoint(step=step, path=path, state=state)
+        raise CheckpointError(f"all {len(found)} checkpoints in {self.directory} are damaged:\n  "
+                              + "\n  ".join(problems))
+    # --8<-- [end:load-latest]
