@@ -7,6 +7,7 @@ rank raises an error after `timeout_s` seconds instead of blocking forever.
 from __future__ import annotations
 
 import os
+import pickle
 import queue as queue_module
 import socket
 import time
@@ -114,7 +115,7 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 
                 continue
             if not ok:
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            done[rank] = value
+            done[rank] = pickle.loads(value)  # written by our own child process
     finally:
         for p in procs:
             p.join(timeout=5 if len(done) == world_size else 0.5)
@@ -130,7 +131,9 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, threads, results, ar
     torch.set_num_threads(threads)  # N processes share the cores; oversubscribing slows all
     try:
         init_from_env(backend, timeout_s)
-        results.put((rank, True, fn(rank, world_size, *args)))
+        # Plain pickle bytes: torch.multiprocessing would pass tensors through shared memory
+        # that disappears when this process exits, before the parent has read them.
+        results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
     except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
         results.put((rank, False, traceback.format_exc()))
     finally:
