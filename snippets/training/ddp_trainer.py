@@ -1,0 +1,430 @@
+"""The training loop the data-parallel lessons build on: one process today, torchrun next.
+
+    python snippets/training/ddp_trainer.py --model_size small --max_steps 50
+
+`DistributedTrainer` holds the four pieces of a real pretraining loop, each one an exercise:
+
+* `_setup_optimizer()`  (exercise 8): AdamW with weight decay on matrices only.
+* `get_lr(step)`        (exercise 9): linear warmup, then cosine decay to a floor.
+* `train_step()`        (exercise 10): gradient accumulation, clipping, one optimizer step.
+* `save_checkpoint()` / `load_checkpoint()` (exercise 11): resume exactly where a run stopped.
+
+This version runs in a single process. The multi-process version (a later lesson) launches the
+same file with torchrun; everything it needs already has a place here: `rank` and `world_size`
+come from the environment torchrun sets (0 and 1 without it), `_wrap_model()` is where
+DistributedDataParallel goes, `_grad_sync()` is where its `no_sync()` goes, and only rank 0
+prints and writes checkpoints. Search for "DDP seam" to find each spot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from snippets.data.corpus import DataError
+from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
+from snippets.data.tokenizer import ByteTokenizer
+from snippets.machine import pick_device
+from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
+from snippets.models.gpt import shift_for_next_token
+from snippets.training.checkpoint import CheckpointError, unwrap_model
+from snippets.training.checkpoint import load_checkpoint as load_verified
+from snippets.training.checkpoint import save_checkpoint as save_atomic
+from snippets.training.train_tiny_transformer import (
+    capture_rng_state,
+    restore_rng_state,
+    seed_everything,
+)
+
+
+# --8<-- [start:train-config]
+@dataclass
+class TrainConfig:
+    """Everything about *how* to train; the model's shape lives in GPTConfig."""
+
+    batch_size: int = 8          # micro-batch: sequences per forward/backward, per process
+    grad_accum_steps: int = 1    # micro-batches summed into one optimizer step
+    seq_len: int | None = None   # tokens per sequence; None = the model's context length
+    max_steps: int = 200         # optimizer steps; the lr schedule ends here
+    lr: float = 3e-3             # peak learning rate, reached at the end of warmup
+    min_lr: float | None = None  # the floor of the cosine decay; None = lr / 10
+    warmup_steps: int = 10
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0       # max global gradient norm; 0 turns clipping off
+    seed: int = 1337
+    data: str = "builtin"        # "builtin" (generated corpus), "dummy" (random), or a file
+
+    def __post_init__(self):
+        if self.min_lr is None:
+            # Decaying to ~10% of the peak, not to 0, is the usual choice (Chinchilla, Llama).
+            self.min_lr = self.lr / 10
+        for name in ("batch_size", "grad_accum_steps", "max_steps"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)} must be at least 1")
+        if self.warmup_steps < 0 or self.lr <= 0 or not 0 <= self.min_lr <= self.lr:
+            raise ConfigError(f"need warmup_steps >= 0 and 0 <= min_lr <= lr, got "
+                              f"warmup_steps={self.warmup_steps}, lr={self.lr}, "
+                              f"min_lr={self.min_lr}")
+# --8<-- [end:train-config]
+
+
+# --8<-- [start:dummy-data]
+class DummyBatches:
+    """Uniformly random token ids: exercises the whole loop with no data pipeline at all.
+
+    There is nothing to learn in random tokens, so the loss can only fall to ln(vocab_size)
+    (a uniform guess), never below: use it to test plumbing and measure throughput. Same
+    interface as RandomWindowSampler, so checkpoints save its generator the same way.
+    """
+
+    def __init__(self, vocab_size: int, batch_size: int, seq_len: int, seed: int):
+        self.shape = (batch_size, seq_len + 1)  # +1: the shifted target of the last position
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+        self.batches_drawn = 0
+
+    def next_batch(self) -> torch.Tensor:
+        self.batches_drawn += 1
+        return torch.randint(0, self.vocab_size, self.shape, generator=self.generator)
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state(), "batches_drawn": self.batches_drawn}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+        self.batches_drawn = int(state["batches_drawn"])
+# --8<-- [end:dummy-data]
+
+
+class DistributedTrainer:
+    """Train a GPT with AdamW, warmup + cosine lr, gradient accumulation and checkpoints."""
+
+    # --8<-- [start:trainer-init]
+    def __init__(self, model_config: GPTConfig, train_config: TrainConfig,
+                 device: str | torch.device = "cpu"):
+        self.config, self.train_config = model_config, train_config
+        self.device = torch.device(device)
+        # DDP seam: torchrun starts one process per GPU and tells each who it is through
+        # these variables. A plain `python` run has none of them: one process, rank 0.
+        self.rank = int(os.environ.get("RANK", 0))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # GPU index on this machine
+        self.world_size = int(os.environ.get("WORLD_SIZE", 1))
+        self.is_main = self.rank == 0  # only rank 0 prints and writes checkpoints
+
+        self.seq_len = train_config.seq_len or model_config.max_position_embeddings
+        if self.seq_len > model_config.max_position_embeddings:
+            raise ConfigError(f"seq_len={self.seq_len} exceeds the model's "
+                              f"max_position_embeddings={model_config.max_position_embeddings}")
+        # The same seed on every rank gives every replica the same initial weights.
+        seed_everything(train_config.seed)
+        self.raw_model = GPT(model_config).to(self.device)  # the bare model, never wrapped
+        self.model = self._wrap_model(self.raw_model)        # what forward/backward run on
+        self.model.train()
+        self.optimizer = self._setup_optimizer()
+        self.sampler = self._setup_data()
+        self.step = 0  # optimizer steps taken so far; the lr schedule and checkpoints use it
+    # --8<-- [end:trainer-init]
+
+    def log(self, message: str) -> None:
+        if self.is_main:  # N processes printing the same line N times helps nobody
+            print(message, flush=True)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Tokens behind one optimizer step, summed over accumulation and processes."""
+        tc = self.train_config
+        return tc.batch_size * tc.grad_accum_steps * self.world_size * self.seq_len
+
+    # --8<-- [start:wrap-model]
+    def _wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        # DDP seam. With world_size > 1 this becomes
+        #     DistributedDataParallel(model, device_ids=[self.local_rank])
+        # (after torch.distributed.init_process_group), which averages gradients across
+        # processes during backward(). One process has nothing to average: no wrapper.
+        if self.world_size == 1:
+            return model
+        # Without the wrapper, N processes would train N unrelated copies of the model.
+        raise NotImplementedError(
+            f"WORLD_SIZE={self.world_size}: this trainer runs a single process for now; the "
+            "multi-process (DDP) version comes in a later lesson. Run it without torchrun.")
+
+    def _grad_sync(self, last_micro_step: bool):
+        # DDP seam. DDP all-reduces gradients inside every backward(); with gradient
+        # accumulation only the last micro-batch's backward needs that, so the others will run
+        # under `self.model.no_sync()` (gradients then just add up locally):
+        #     return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
+        # One process has no gradients to synchronise: nothing to skip.
+        return contextlib.nullcontext()
+    # --8<-- [end:wrap-model]
+
+    def _setup_data(self):
+        tc = self.train_config
+        # DDP seam: seed + rank gives each process different batches. With the same batches
+        # every GPU would compute the same gradient, and N GPUs would do the work of one.
+        seed = tc.seed + self.rank
+        if tc.data == "dummy":
+            return DummyBatches(self.config.vocab_size, tc.batch_size, self.seq_len, seed)
+        tokenizer = ByteTokenizer()
+        if self.config.vocab_size < tokenizer.vocab_size:
+            raise ConfigError(f"byte-level text needs vocab_size >= {tokenizer.vocab_size}, "
+                              f"the model has {self.config.vocab_size}; use --data dummy")
+        tokens = load_tokens(None if tc.data == "builtin" else tc.data, tokenizer, self.seq_len)
+        # Hold out the tail (as train_tiny_transformer does) so a later evaluation measures
+        # text this run never trained on.
+        train_tokens, _ = train_val_split(tokens, 0.1, self.seq_len)
+        return RandomWindowSampler(train_tokens, tc.batch_size, self.seq_len, seed)
+
+    def micro_batches(self):
+        """Endless (batch_size, seq_len + 1) token batches. Lazy: a batch is drawn only when
+        train_step asks for it, so the sampler state in a checkpoint is exactly 'next batch'."""
+        while True:
+            yield self.sampler.next_batch()
+
+    # --8<-- [start:optimizer]
+    def _setup_optimizer(self) -> torch.optim.AdamW:
+        """AdamW with two parameter groups: weight decay on matrices, none on 1-D parameters."""
+        # --8<-- [start:exercise-8]
+        decay, no_decay = [], []
+        # named_parameters() yields each Parameter object once. The tied embed_tokens /
+        # lm_head matrix is one tensor under two names, so it is listed (and decayed) once;
+        # a tensor in two groups would make AdamW raise.
+        for name, param in self.raw_model.named_parameters():
+            if not param.requires_grad:
+                continue
+            # Matrices (Linear and Embedding weights) hold the model's capacity: decay keeps
+            # them small. 1-D parameters (RMSNorm gains, biases) only scale or shift; decay
+            # would pull the gains from 1 toward 0 and fight the normalisation.
+            if param.dim() >= 2:
+                decay.append(param)
+            else:
+                no_decay.append(param)
+        groups = [
+            {"params": decay, "weight_decay": self.train_config.weight_decay},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+        n_decay = sum(p.numel() for p in decay)
+        n_no_decay = sum(p.numel() for p in no_decay)
+        self.log(f"optimizer groups: weight decay on {len(decay)} tensors ({n_decay:,} "
+                 f"parameters), none on {len(no_decay)} tensors ({n_no_decay:,} parameters)")
+        # betas=(0.9, 0.95) as in GPT-3 and Llama: a shorter second-moment memory than the
+        # default 0.999 reacts faster to loss spikes. The lr is set by train_step each step.
+        # On CUDA, fused=True would run the update as one kernel; the default is fine here.
+        return torch.optim.AdamW(groups, lr=self.train_config.lr, betas=(0.9, 0.95))
+        # --8<-- [end:exercise-8]
+    # --8<-- [end:optimizer]
+
+    # --8<-- [start:lr-schedule]
+    def get_lr(self, step: int) -> float:
+        """The learning rate for optimizer step `step` (0-based): linear warmup to lr over
+        warmup_steps, cosine decay to min_lr at max_steps, then min_lr."""
+        # --8<-- [start:exercise-9]
+        tc = self.train_config
+        if step < tc.warmup_steps:
+            # Adam's moment estimates are noise for the first steps; small steps meanwhile
+            # avoid an early blow-up. (step + 1): step 0 already moves (lr / warmup_steps).
+            return tc.lr * (step + 1) / tc.warmup_steps
+        if step >= tc.max_steps:
+            return tc.min_lr
+        progress = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)  # 0 -> 1
+        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0, flat at both ends
+        return tc.min_lr + coeff * (tc.lr - tc.min_lr)
+        # --8<-- [end:exercise-9]
+    # --8<-- [end:lr-schedule]
+
+    # --8<-- [start:train-step]
+    def train_step(self, batch_iter) -> dict:
+        """One optimizer step from grad_accum_steps micro-batches drawn from batch_iter.
+
+        Returns the loss (mean over the micro-batches), the gradient norm before clipping,
+        the lr used, and the number of tokens this step trained on (over all processes)."""
+        # --8<-- [start:exercise-10]
+        accum = self.train_config.grad_accum_steps
+        lr = self.get_lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for micro_step in range(accum):
+            batch = next(batch_iter).to(self.device)
+            inputs, targets = shift_for_next_token(batch)
+            with self._grad_sync(last_micro_step=micro_step == accum - 1):
+                _, loss = self.model(inputs, targets)
+                # Each loss is a mean over its micro-batch, and backward() *adds* into .grad.
+                # Dividing by accum turns the sum of accum gradients into the gradient of
+                # the mean over all of them: what one batch accum times larger would give,
+                # so lr and grad_clip mean the same thing whatever accum is.
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+            tokens += targets.numel()
+        # The global norm over all parameters; rescale every gradient if it is above
+        # grad_clip, so one bad batch cannot throw the weights far. Returns the norm before.
+        max_norm = self.train_config.grad_clip if self.train_config.grad_clip > 0 else math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        # None instead of zeros: frees the memory now, and the next backward writes the
+        # gradient instead of adding to zeros.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        # .item() waits for the device: fine once a step. (Under DDP this loss is the local
+        # rank's; an all-reduce would average it for logging.)
+        return {"loss": (loss_sum / accum).item(), "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens": tokens * self.world_size}
+        # --8<-- [end:exercise-10]
+    # --8<-- [end:train-step]
+
+    # --8<-- [start:checkpoint]
+    def save_checkpoint(self, path: str | Path) -> Path:
+        """Everything needed to continue exactly: weights, AdamW moments, step, data position,
+        RNG states, and both configs. Written atomically (see checkpoint.py)."""
+        # --8<-- [start:exercise-11-save]
+        state = {
+            # The bare model: a DDP-wrapped model's keys all start with "module.", and the
+            # file would then load only into another wrapped model.
+            "model": unwrap_model(self.model).state_dict(),
+            # AdamW's running averages: without them a resumed run restarts "cold" and
+            # takes different (larger) steps than the unbroken run would have.
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,  # where we are in the lr schedule
+            "sampler": self.sampler.state_dict(),  # where we are in the data
+            "rng": capture_rng_state(),
+            "model_config": self.config.to_dict(),
+            "train_config": asdict(self.train_config),
+        }
+        # Temp file + fsync + rename: a crash mid-write leaves the previous checkpoint intact.
+        return save_atomic(path, state)
+        # --8<-- [end:exercise-11-save]
+
+    def load_checkpoint(self, path: str | Path) -> dict:
+        """Restore everything save_checkpoint wrote; training then continues identically.
+        Returns the loaded state (the caller may compare its train_config)."""
+        # --8<-- [start:exercise-11-load]
+        # weights_only=True inside: unpickling can run arbitrary code, so only tensors and
+        # plain containers are accepted. map_location="cpu" loads a GPU checkpoint anywhere;
+        # load_state_dict then copies each tensor to where the model's own tensor lives.
+        state = load_verified(path, map_location="cpu")
+        if state["model_config"] != self.config.to_dict():
+            raise CheckpointError(f"{path} holds a different model ({state['model_config']}); "
+                                  f"use the same --model_size it was trained with")
+        unwrap_model(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        restore_rng_state(state["rng"])
+        self.step = state["step"]
+        return state
+        # --8<-- [end:exercise-11-load]
+    # --8<-- [end:checkpoint]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    defaults = TrainConfig()
+    p = argparse.ArgumentParser(
+        description="Train a GPT in one process (the multi-process DDP version comes later).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model_size", default="small",
+                   help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
+    p.add_argument("--data", default=defaults.data,
+                   help="builtin (generated corpus), dummy (random tokens), or a UTF-8 text file")
+    p.add_argument("--max_steps", type=int, default=defaults.max_steps)
+    p.add_argument("--batch_size", type=int, default=defaults.batch_size,
+                   help="micro-batch: sequences per forward/backward")
+    p.add_argument("--grad_accum_steps", type=int, default=defaults.grad_accum_steps)
+    p.add_argument("--seq_len", type=int, default=None,
+                   help="tokens per sequence (default: the config's max_position_embeddings)")
+    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
+    p.add_argument("--min_lr", type=float, default=None,
+                   help="final learning rate of the cosine decay (default: lr / 10)")
+    p.add_argument("--warmup_steps", type=int, default=defaults.warmup_steps)
+    p.add_argument("--weight_decay", type=float, default=defaults.weight_decay)
+    p.add_argument("--grad_clip", type=float, default=defaults.grad_clip,
+                   help="max global gradient norm; 0 disables clipping")
+    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps", "cuda"])
+    p.add_argument("--out", default="runs/ddp_trainer", help="directory for ckpt.pt")
+    p.add_argument("--ckpt_every", type=int, default=100,
+                   help="save OUT/ckpt.pt every N steps (and always at the end); 0 = end only")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+    p.add_argument("--log_every", type=int, default=10)
+    return p.parse_args(argv)
+
+
+# --8<-- [start:main]
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        # DDP seam: under torchrun each process will take cuda:LOCAL_RANK instead.
+        device = pick_device(args.device)
+    except (ValueError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    ckpt_path = Path(args.out) / "ckpt.pt"
+    try:
+        train_config = TrainConfig(
+            batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
+            seq_len=args.seq_len, max_steps=args.max_steps, lr=args.lr, min_lr=args.min_lr,
+            warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+            grad_clip=args.grad_clip, seed=args.seed, data=args.data)
+        trainer = DistributedTrainer(get_config(args.model_size), train_config, device)
+        if args.resume:
+            state = trainer.load_checkpoint(ckpt_path)
+            then = state["train_config"]
+            changed = {k: (now, then.get(k)) for k, now in asdict(train_config).items()
+                       if then.get(k) != now}
+            if changed:
+                trainer.log(f"warning: settings differ from the checkpoint's (now, then): "
+                            f"{changed}; the run will not match an unbroken one")
+            trainer.log(f"resumed from {ckpt_path} at step {trainer.step}")
+    except (ConfigError, DataError, CheckpointError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+    tc = trainer.train_config
+    trainer.log(f"device {device} | model {args.model_size}: "
+                f"{trainer.raw_model.num_parameters():,} parameters | data: {tc.data}")
+    trainer.log(f"effective batch = micro-batch {tc.batch_size} x accumulation "
+                f"{tc.grad_accum_steps} x processes {trainer.world_size} x seq_len "
+                f"{trainer.seq_len} = {trainer.tokens_per_step:,} tokens per optimizer step")
+
+    # --8<-- [start:training-loop]
+    batches = trainer.micro_batches()
+    losses = []
+    start = time.perf_counter()
+    while trainer.step < tc.max_steps:
+        t0 = time.perf_counter()
+        stats = trainer.train_step(batches)
+        seconds = time.perf_counter() - t0
+        losses.append(stats["loss"])
+        if not math.isfinite(stats["loss"]):
+            print(f"error: loss is {stats['loss']} at step {trainer.step}; "
+                  f"try a lower --lr (now {tc.lr})", file=sys.stderr)
+            return 1
+        if trainer.step % args.log_every == 0 or trainer.step == 1:
+            trainer.log(f"step {trainer.step:5d}/{tc.max_steps} | loss {stats['loss']:.4f} | "
+                        f"lr {stats['lr']:.2e} | grad norm {stats['grad_norm']:.3f} | "
+                        f"{stats['tokens'] / seconds:,.0f} tokens/s")
+        if trainer.is_main and args.ckpt_every and trainer.step % args.ckpt_every == 0:
+            trainer.save_checkpoint(ckpt_path)
+    # --8<-- [end:training-loop]
+    elapsed = time.perf_counter() - start
+
+    if not losses:
+        trainer.log(f"nothing to do: {ckpt_path} is already at step {trainer.step}")
+        return 0
+    if trainer.is_main:
+        trainer.save_checkpoint(ckpt_path)
+    trainer.log(f"done: {len(losses)} steps in {elapsed:.1f} s "
+                f"({len(losses) * trainer.tokens_per_step / elapsed:,.0f} tokens/s) | "
+                f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | checkpoint {ckpt_path}")
+    return 0
+# --8<-- [end:main]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

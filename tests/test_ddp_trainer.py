@@ -1,0 +1,359 @@
+"""The single-process DistributedTrainer: parameter groups, lr schedule, gradient accumulation,
+clipping, exact checkpoint resumption (also from a wrapped model), the CLI, and the exercise
+markers the stub generator relies on."""
+
+import ast
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from snippets.models.gpt import get_config
+from snippets.training.checkpoint import CheckpointError
+from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig, main
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "snippets" / "training" / "ddp_trainer.py"
+SEQ = 32  # short sequences keep every step here to a few milliseconds
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # CI runs on 2 cores shared with other jobs. Two OpenMP threads per process then spin
+    # against the other jobs' threads and a step can take 10x longer; one thread is faster
+    # there and changes nothing these tests check. Restored afterwards for other modules.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_trainer(model="tiny", cls=DistributedTrainer, **overrides) -> DistributedTrainer:
+    settings = {"batch_size": 4, "seq_len": SEQ, "max_steps": 50, "warmup_steps": 5,
+                "data": "dummy", **overrides}
+    return cls(get_config(model), TrainConfig(**settings), "cpu")
+
+
+def params(trainer) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in trainer.raw_model.named_parameters()}
+
+
+# ------------------------------------------------------------------ exercise 8: param groups
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_parameter_groups(tied):
+    config = get_config("tiny", tie_word_embeddings=tied)
+    trainer = DistributedTrainer(config, TrainConfig(seq_len=SEQ, data="dummy"), "cpu")
+    model = trainer.raw_model
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    decay_ids = [id(p) for p in decay["params"]]
+    no_decay_ids = [id(p) for p in no_decay["params"]]
+
+    # Every trainable parameter in exactly one group, none listed twice.
+    all_ids = decay_ids + no_decay_ids
+    assert len(all_ids) == len(set(all_ids))
+    assert set(all_ids) == {id(p) for p in model.parameters()}
+    # The tied matrix is one tensor under two names, and it is in the groups once.
+    assert (model.lm_head.weight is model.embed_tokens.weight) == tied
+    assert all_ids.count(id(model.embed_tokens.weight)) == 1
+    assert all_ids.count(id(model.lm_head.weight)) == 1
+
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if p.dim() >= 2:
+            assert id(p) in decay_ids, name
+        else:
+            assert id(p) in no_decay_ids, name
+            assert "norm" in name, name  # the model has no biases: only RMSNorm gains
+    assert len(no_decay_ids) == 2 * config.num_hidden_layers + 1  # two norms per block + final
+    # Matrices: 4 attention + 3 MLP per block, the embedding, and lm_head only if untied.
+    assert len(decay_ids) == 7 * config.num_hidden_layers + 1 + (0 if tied else 1)
+
+    sizes = [sum(p.numel() for p in g["params"]) for g in trainer.optimizer.param_groups]
+    assert sum(sizes) == model.num_parameters()
+
+
+# ------------------------------------------------------------------ exercise 9: lr schedule
+
+
+def test_lr_schedule():
+    lr, min_lr, warmup, max_steps = 1e-3, 1e-4, 10, 110
+    trainer = make_trainer(lr=lr, min_lr=min_lr, warmup_steps=warmup, max_steps=max_steps)
+    get_lr = trainer.get_lr
+
+    assert get_lr(0) == pytest.approx(lr / warmup)        # step 0 already moves, a little
+    assert get_lr(4) == pytest.approx(5 * lr / warmup)    # linear
+    assert get_lr(warmup - 1) == pytest.approx(lr)        # warmup ends at the peak...
+    assert get_lr(warmup) == pytest.approx(lr)            # ...where the cosine starts
+    midpoint = warmup + (max_steps - warmup) // 2
+    assert get_lr(midpoint) == pytest.approx((lr + min_lr) / 2, rel=1e-12)
+    # cos(pi/4) at a quarter of the way: the exact cosine, not some other smooth decay.
+    quarter = warmup + (max_steps - warmup) // 4
+    assert get_lr(quarter) == pytest.approx(
+        min_lr + 0.5 * (1 + math.cos(math.pi / 4)) * (lr - min_lr), rel=1e-12)
+    assert get_lr(max_steps) == pytest.approx(min_lr)
+    assert get_lr(max_steps + 1) == get_lr(10 * max_steps) == pytest.approx(min_lr)
+
+    warm = [get_lr(s) for s in range(warmup)]
+    assert all(a < b for a, b in zip(warm, warm[1:]))
+    decay = [get_lr(s) for s in range(warmup, max_steps + 1)]
+    assert all(a > b for a, b in zip(decay, decay[1:]))   # strictly decreasing to min_lr
+
+    assert TrainConfig(lr=3e-3).min_lr == pytest.approx(3e-4)  # default floor: lr / 10
+    assert make_trainer(warmup_steps=0, lr=lr).get_lr(0) == pytest.approx(lr)
+
+
+def test_train_step_uses_the_schedule():
+    trainer = make_trainer(lr=1e-3, warmup_steps=5)
+    batches = trainer.micro_batches()
+    for step in range(7):
+        stats = trainer.train_step(batches)
+        assert stats["lr"] == trainer.get_lr(step)
+        assert all(g["lr"] == stats["lr"] for g in trainer.optimizer.param_groups)
+    assert trainer.step == 7
+
+
+# ------------------------------------------------------- exercise 10: gradient accumulation
+
+
+def test_gradient_accumulation_matches_one_big_batch():
+    batch = torch.randint(0, 256, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    big = make_trainer(batch_size=8, grad_accum_steps=1, warmup_steps=0, lr=1e-3)
+    accum = make_trainer(batch_size=4, grad_accum_steps=2, warmup_steps=0, lr=1e-3)
+    before = params(big)
+    assert all(torch.equal(before[n], p) for n, p in params(accum).items())  # same seed
+
+    stats_big = big.train_step(iter([batch]))
+    stats_accum = accum.train_step(iter([batch[:4], batch[4:]]))
+
+    # Mean of the two half-batch means = the mean over all 8 sequences (equal token counts),
+    # up to a few fp32 rounding steps (one ulp at a loss of 5.5 is 4.8e-7).
+    assert stats_accum["loss"] == pytest.approx(stats_big["loss"], abs=2e-6)
+    # The norm catches a missing `/ accum`: the summed gradient would be twice as large.
+    # (The weights would not: Adam's first step is invariant to the gradient's scale.)
+    assert stats_accum["grad_norm"] == pytest.approx(stats_big["grad_norm"], rel=1e-5)
+    assert stats_accum["tokens"] == stats_big["tokens"] == 8 * SEQ
+
+    # Not bit-identical: summing two half-batch gradients adds the same fp32 numbers in a
+    # different order than one backward over 8 sequences, and fp32 addition is not
+    # associative. The weights end up ~1e-7 apart after an update of ~1e-3.
+    after_big, after_accum = params(big), params(accum)
+    for name in after_big:
+        assert torch.allclose(after_accum[name], after_big[name], rtol=0, atol=1e-6), name
+    moved = max((after_big[n] - before[n]).abs().max().item() for n in before)
+    assert moved > 1e-4  # the step really changed the weights, so the comparison means something
+
+
+# ----------------------------------------------------------------------------- clipping
+
+
+@pytest.mark.parametrize("grad_clip", [0.01, 0.0])
+def test_grad_clip_caps_the_norm_the_optimizer_sees(grad_clip, monkeypatch):
+    trainer = make_trainer(grad_clip=grad_clip)
+    seen = []
+    original_step = trainer.optimizer.step
+
+    def recording_step(*args, **kwargs):
+        grads = [p.grad for g in trainer.optimizer.param_groups for p in g["params"]]
+        seen.append(torch.linalg.vector_norm(torch.stack(
+            [torch.linalg.vector_norm(g) for g in grads if g is not None])).item())
+        return original_step(*args, **kwargs)
+
+    monkeypatch.setattr(trainer.optimizer, "step", recording_step)
+    stats = trainer.train_step(trainer.micro_batches())
+    assert stats["grad_norm"] > 0.5  # the pre-clip norm of an untrained model, reported
+    if grad_clip:
+        assert seen[0] == pytest.approx(grad_clip, rel=1e-3)  # scaled down to the cap
+    else:
+        assert seen[0] == pytest.approx(stats["grad_norm"], rel=1e-6)  # 0 = no clipping
+    assert all(p.grad is None for p in trainer.raw_model.parameters())  # set_to_none
+
+
+# ---------------------------------------------------------------- exercise 11: checkpoints
+
+
+def test_checkpoint_round_trip_is_exact(tmp_path):
+    # The built-in corpus and its sampler: the data position must survive the round trip.
+    settings = {"data": "builtin", "max_steps": 15, "warmup_steps": 3}
+    first = make_trainer(**settings)
+    batches = first.micro_batches()
+    for _ in range(10):
+        first.train_step(batches)
+    first.save_checkpoint(tmp_path / "ckpt.pt")
+    losses_a = [first.train_step(batches)["loss"] for _ in range(5)]
+
+    second = make_trainer(**settings)
+    second.load_checkpoint(tmp_path / "ckpt.pt")
+    assert second.step == 10
+    batches = second.micro_batches()
+    losses_b = [second.train_step(batches)["loss"] for _ in range(5)]
+
+    # Exact, not approx: on CPU the same ops on the same inputs with the same thread count run
+    # the same instructions in the same order, and the checkpoint restored every input of a
+    # step (weights, AdamW moments, lr position, sampler generator). Any missing piece of
+    # state shows up as a difference.
+    assert losses_b == losses_a
+    assert all(torch.equal(p, params(first)[n]) for n, p in params(second).items())
+
+    # A checkpoint holds only what torch.load(weights_only=True) accepts.
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert {"model", "optimizer", "step", "sampler", "rng", "model_config",
+            "train_config"} <= set(state)
+    assert state["train_config"]["max_steps"] == 15
+
+
+class Wrapper(torch.nn.Module):
+    """Stands in for DistributedDataParallel: holds the real model as `.module`."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.module = model
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+
+class WrappedTrainer(DistributedTrainer):
+    def _wrap_model(self, model):
+        return Wrapper(model)
+
+
+def test_checkpoint_from_a_wrapped_model_has_bare_keys(tmp_path):
+    wrapped = make_trainer(cls=WrappedTrainer)
+    assert isinstance(wrapped.model, Wrapper)
+    assert all(k.startswith("module.") for k in wrapped.model.state_dict())  # the pitfall
+    batches = wrapped.micro_batches()
+    for _ in range(3):
+        wrapped.train_step(batches)
+    wrapped.save_checkpoint(tmp_path / "ckpt.pt")
+
+    state = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert not any(k.startswith("module.") for k in state["model"])
+    assert set(state["model"]) == set(wrapped.raw_model.state_dict())
+
+    plain = make_trainer()  # loads into an unwrapped model...
+    plain.load_checkpoint(tmp_path / "ckpt.pt")
+    assert all(torch.equal(p, params(wrapped)[n]) for n, p in params(plain).items())
+    rewrapped = make_trainer(cls=WrappedTrainer)  # ...and into a wrapped one
+    rewrapped.load_checkpoint(tmp_path / "ckpt.pt")
+    assert all(torch.equal(p, params(wrapped)[n]) for n, p in params(rewrapped).items())
+    # Both continue identically from there.
+    assert (plain.train_step(plain.micro_batches())["loss"]
+            == rewrapped.train_step(rewrapped.micro_batches())["loss"])
+
+
+def test_loading_a_different_model_is_a_clear_error(tmp_path):
+    make_trainer("tiny").save_checkpoint(tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="different model"):
+        make_trainer("small").load_checkpoint(tmp_path / "ckpt.pt")
+
+
+# --------------------------------------------------------------------- the DDP seams
+
+
+def test_multi_process_launch_is_refused_until_ddp_exists(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(NotImplementedError, match="single process"):
+        make_trainer()
+
+
+def test_effective_batch_counts_accumulation_and_processes():
+    trainer = make_trainer(batch_size=3, grad_accum_steps=5)
+    assert (trainer.rank, trainer.world_size) == (0, 1)
+    assert trainer.tokens_per_step == 3 * 5 * 1 * SEQ
+    stats = trainer.train_step(trainer.micro_batches())
+    assert stats["tokens"] == trainer.tokens_per_step
+
+
+def test_dummy_data_loss_starts_near_a_uniform_guess():
+    trainer = make_trainer(data="dummy")
+    loss = trainer.train_step(trainer.micro_batches())["loss"]
+    assert loss == pytest.approx(math.log(256), abs=0.1)
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_cli_trains_and_resumes(tmp_path):
+    out = tmp_path / "run"
+    # The learning guide's command, with a smaller micro-batch (4 x 64 tokens instead of
+    # 8 x 128) so it takes seconds here; the guide's exact command also runs, just longer.
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.relative_to(REPO)), "--model_size", "small",
+         "--max_steps", "50", "--batch_size", "4", "--seq_len", "64", "--device", "cpu",
+         "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})  # see one_thread above
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert "= 256 tokens per optimizer step" in text  # 4 x 1 x 1 x 64, printed once
+    assert re.search(r"step +10/50 \| loss [\d.]+ \| lr [\d.e+-]+ \| grad norm [\d.]+ \| "
+                     r"[\d,]+ tokens/s", text), text
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", text).groups())
+    assert last < first - 1.0, text  # from ~ln(256) = 5.5 to well below
+    assert (out / "ckpt.pt").is_file()
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 50
+
+    # --resume continues from step 50; a longer --max_steps stretches the schedule (warned).
+    args = ["--model_size", "small", "--batch_size", "4", "--seq_len", "64", "--device", "cpu",
+            "--out", str(out), "--resume", "--max_steps", "52"]
+    assert main(args) == 0
+    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 52
+    assert main(args) == 0  # nothing left to do
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["--model_size", "huge", "--out", str(tmp_path)]) == 2
+    assert "unknown config 'huge'" in capsys.readouterr().err
+    assert main(["--model_size", "tiny", "--resume", "--out", str(tmp_path / "none")]) == 2
+    assert "checkpoint not found" in capsys.readouterr().err
+    assert main(["--model_size", "tiny", "--seq_len", "1000", "--out", str(tmp_path)]) == 2
+    assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
+
+
+# -------------------------------------------------------------- sections and exercise stubs
+
+
+SECTIONS = ["train-config", "dummy-data", "trainer-init", "wrap-model", "optimizer",
+            "lr-schedule", "train-step", "checkpoint", "main", "training-loop"]
+EXERCISES = ["exercise-8", "exercise-9", "exercise-10", "exercise-11-save", "exercise-11-load"]
+
+
+def test_sections_are_balanced_and_lines_short():
+    text = SCRIPT.read_text()
+    for name in SECTIONS + EXERCISES:
+        assert text.count(f"# --8<-- [start:{name}]") == 1, name
+        assert text.count(f"# --8<-- [end:{name}]") == 1, name
+        assert text.index(f"[start:{name}]") < text.index(f"[end:{name}]"), name
+    assert not [n for n, line in enumerate(text.splitlines(), 1) if len(line) > 100]
+
+
+def test_exercise_sections_can_be_replaced_by_a_raise():
+    # What the stub generator does: the start marker's indentation, a raise, nothing else.
+    out, skipping = [], False
+    for line in SCRIPT.read_text().splitlines():
+        start = re.match(r"(\s*)# --8<-- \[start:(exercise-[\w-]+)\]", line)
+        if start:
+            out.append(f"{start.group(1)}raise NotImplementedError('{start.group(2)}')")
+            skipping = True
+        elif re.match(r"\s*# --8<-- \[end:exercise-[\w-]+\]", line):
+            skipping = False
+        elif not skipping:
+            out.append(line)
+    stub = "\n".join(out)
+    tree = ast.parse(stub)
+    assert stub.count("raise NotImplementedError('exercise-") == len(EXERCISES)
+    # Each raise is the whole body (after the docstring) of the method it belongs to.
+    methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
+    for name in ["_setup_optimizer", "get_lr", "train_step", "save_checkpoint",
+                 "load_checkpoint"]:
+        body = [s for s in methods[name].body
+                if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
+        assert len(body) == 1 and isinstance(body[0], ast.Raise), name
