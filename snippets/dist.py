@@ -55,7 +55,17 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"])  # one GPU per process, chosen by LOCAL_RANK
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if restart == 0:
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        # After a restart, torchrun's store still holds the dead workers' addresses from the
+        # previous attempt; a fresh key prefix keeps the new workers from connecting to them.
+        store = dist.TCPStore(env["master_addr"], env["master_port"], env["world_size"],
+                              is_master=False, timeout=timeout)
+        dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store),
+                                rank=env["rank"], world_size=env["world_size"], timeout=timeout)
     return env
 # --8<-- [end:init-from-env]
 

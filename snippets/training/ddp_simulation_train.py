@@ -1,0 +1,169 @@
+"""Session B demo: the same script, started N times by torchrun, trains one model together.
+
+    torchrun --nproc_per_node=4 snippets/training/ddp_simulation_train.py
+
+Each process is a "GPU worker" (a CPU process with the gloo backend here; one GPU each with NCCL
+on a GPU machine). Watch for:
+- rank-specific logs: logs/rank_N/train.log, one file per process;
+- data sharding: DistributedSampler gives each rank a different slice of every epoch;
+- gradient synchronisation: after every step the ranks' parameter checksums are equal;
+  with --no-sync they drift apart, because each rank trains on its own data alone;
+- failure: --fail-rank 2 --fail-step 5 kills rank 2; torchrun stops the job and names the rank,
+  or with --max-restarts=1 restarts every worker, which resume from the last checkpoint.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, DistributedSampler, Dataset
+
+from snippets.data.dataset import load_tokens
+from snippets.dist import init_from_env
+from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.training.checkpoint import load_checkpoint, save_checkpoint, unwrap_model
+
+
+class Windows(Dataset):
+    """Non-overlapping windows of context + 1 tokens: example i is a fixed piece of the text."""
+
+    def __init__(self, tokens: torch.Tensor, context: int):
+        self.tokens, self.size = tokens, context + 1
+        self.count = len(tokens) // self.size
+
+    def __len__(self):
+        return self.count
+
+    def __getitem__(self, i):
+        return self.tokens[i * self.size : (i + 1) * self.size].long()
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="logs", help="each rank writes LOG_DIR/rank_N/train.log")
+    p.add_argument("--ckpt", default="runs/ddp_simulation/ckpt.pt")
+    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--no-sync", action="store_true",
+                   help="skip gradient synchronisation: replicas drift apart")
+    p.add_argument("--fail-rank", type=int, default=None, help="rank that crashes on purpose")
+    p.add_argument("--fail-step", type=int, default=None, help="step at which it crashes")
+    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
+    return p.parse_args(argv)
+
+
+# --8<-- [start:rank-logger]
+def rank_logger(log_dir: str, rank: int) -> logging.Logger:
+    """Each rank writes its own file; only rank 0 also prints, so the terminal stays readable."""
+    path = Path(log_dir) / f"rank_{rank}" / "train.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logger = logging.getLogger(f"rank{rank}")
+    logger.setLevel(logging.INFO)
+    formatter = logging.Formatter(f"%(asctime)s rank {rank} | %(message)s", "%H:%M:%S")
+    handlers = [logging.FileHandler(path, mode="a")]
+    if rank == 0:
+        handlers.append(logging.StreamHandler(sys.stdout))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        logger.addHandler(handler)
+    return logger
+# --8<-- [end:rank-logger]
+
+
+# --8<-- [start:checksums]
+def parameter_checksums(model: torch.nn.Module) -> list[float]:
+    """Every rank's sum of all its weights: equal on all ranks iff the replicas are in sync."""
+    local = torch.tensor([sum(p.double().sum().item() for p in model.parameters())],
+                         dtype=torch.float64)
+    everyone = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, local)
+    return [t.item() for t in everyone]
+# --8<-- [end:checksums]
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    env = init_from_env(timeout_s=args.timeout)
+    rank, world = env["rank"], env["world_size"]
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    log = rank_logger(args.log_dir, rank)
+    log.info(f"started: RANK={rank} LOCAL_RANK={env['local_rank']} WORLD_SIZE={world} "
+             f"MASTER={env['master_addr']}:{env['master_port']} restart={restart}")
+
+    config = get_config(args.config)
+    context = config.max_position_embeddings
+    dataset = Windows(load_tokens(None, context_length=context), context)
+    # --8<-- [start:sharding]
+    sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+    log.info(f"shard: {len(sampler)} of {len(dataset)} examples; epoch 0 starts with "
+             f"examples {list(sampler)[:4]}")
+    # --8<-- [end:sharding]
+
+    torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts)
+    model = GPT(config)
+    if not args.no_sync:
+        model = DistributedDataParallel(model)  # gradients are averaged inside backward()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+    step = 0
+    if os.path.exists(args.ckpt) and restart > 0:
+        state = load_checkpoint(args.ckpt)
+        unwrap_model(model).load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step = state["step"]
+        log.info(f"resumed from {args.ckpt} at step {step}")
+    elif rank == 0 and os.path.exists(args.ckpt):
+        os.remove(args.ckpt)  # a fresh run never resumes an old run's checkpoint
+
+    # --8<-- [start:loop]
+    steps_per_epoch = len(loader)
+    while step < args.steps:
+        epoch, position = divmod(step, steps_per_epoch)
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank
+        batches = iter(loader)
+        for _ in range(position):  # after a resume, skip what this epoch already trained on
+            next(batches)
+        for batch in batches:
+            if step == args.fail_step and rank == args.fail_rank and restart == 0:
+                raise RuntimeError(f"simulated failure on rank {rank} at step {step}")
+            start = time.perf_counter()
+            inputs, targets = shift_for_next_token(batch)
+            _, loss = model(inputs, targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()  # with DDP: returns only after every rank's gradients are averaged
+            optimizer.step()
+            step += 1
+
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss)  # the global batch's loss, for logging only
+            sums = parameter_checksums(unwrap_model(model))
+            tokens_per_s = inputs.numel() / (time.perf_counter() - start)
+            log.info(f"step {step:3d} | local loss {loss.item():.4f} | global loss "
+                     f"{mean_loss.item() / world:.4f} | {tokens_per_s:,.0f} tokens/s | "
+                     f"replicas in sync: {len(set(sums)) == 1} | checksum {sums[rank]:.6f}")
+            if step % args.ckpt_every == 0 or step == args.steps:
+                if rank == 0:  # one copy is enough: all replicas are identical
+                    save_checkpoint(args.ckpt, {"model": unwrap_model(model).state_dict(),
+                                                "optimizer": optimizer.state_dict(), "step": step})
+                dist.barrier()  # nobody runs ahead of a checkpoint that may be needed
+            if step == args.steps:
+                break
+    # --8<-- [end:loop]
+    log.info(f"done: {step} steps, final global loss {mean_loss.item() / world:.4f}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
