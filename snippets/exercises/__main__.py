@@ -1,0 +1,133 @@
+"""The exercises from the command line.
+
+    python -m snippets.exercises list               the exercises, and which are available
+    python -m snippets.exercises stubs [--out DIR]  your copies of the files, exercises blanked
+    python -m snippets.exercises hints N            what exercise N asks, and its hints
+    python -m snippets.exercises check N|all [--workspace DIR | --solutions]
+                                                    run exercise N's checks on your copy
+
+`check` exits with status 0 when every check passes and 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from snippets.exercises import catalog
+from snippets.exercises.stubs import write_stubs
+
+DEFAULT_WORKSPACE = "workspace"
+
+
+def cmd_list(args) -> int:
+    phase = None
+    for ex in catalog.EXERCISES:
+        if ex.phase != phase:
+            phase = ex.phase
+            print(f"{'' if ex.number == 1 else chr(10)}Phase {phase}: {ex.file}")
+        status = "available" if ex.available else f"not yet: comes with {ex.arrives_with}"
+        print(f"  {ex.number:>2}  {ex.title:<56} {status}")
+    return 0
+
+
+def cmd_hints(args) -> int:
+    ex = catalog.get(args.number)
+    print(f"Exercise {ex.number}: {ex.title} ({ex.file})")
+    print(f"  concept:    {ex.concept}")
+    print(f"  difficulty: {ex.difficulty}")
+    print(f"  task:       {ex.task}")
+    if ex.depends_on:
+        print(f"  builds on:  exercises {', '.join(map(str, ex.depends_on))}")
+    print(f"  check it:   python -m snippets.exercises check {ex.number}")
+    if ex.hints:
+        print("  hints:")
+    for i, hint in enumerate(ex.hints, 1):
+        print(f"    {i}. {hint}")
+    return 0
+
+
+def cmd_stubs(args) -> int:
+    out = Path(args.out)
+    for w in write_stubs(out, force=args.force):
+        numbers = f"exercises {w.exercises[0]}-{w.exercises[-1]}"
+        if w.action == "skipped":
+            print(f"skipped {w.path} ({numbers}): it differs from a fresh stub, so it holds your "
+                  "work; --force replaces it and keeps the old file as "
+                  f"{w.path.name}.bak")
+        elif w.action == "replaced":
+            print(f"replaced {w.path} ({numbers}); your previous version is {w.backup}")
+        elif w.action == "unchanged":
+            print(f"unchanged {w.path} ({numbers}): already a fresh stub")
+        else:
+            print(f"wrote {w.path} ({numbers})")
+    workspace = "" if args.out == DEFAULT_WORKSPACE else f" --workspace {args.out}"
+    print(f"next: edit the TODOs, then python -m snippets.exercises check 1{workspace}")
+    return 0
+
+
+def cmd_check(args) -> int:
+    from snippets.exercises.runner import run_check, solutions_workspace  # imports torch
+
+    workspace = solutions_workspace() if args.solutions else Path(args.workspace)
+    if args.exercise == "all":
+        results = [run_check(ex, workspace) for ex in catalog.EXERCISES]
+        print(f"{'#':>3}  {'exercise':<56} result")
+        for r in results:
+            detail = {"PASS": "PASS", "FAIL": "FAIL", "not yet": f"not yet ({r.message})"}.get(
+                r.status, r.message)
+            print(f"{r.exercise.number:>3}  {r.exercise.title:<56} {detail}")
+        failed = [r for r in results if r.status == "FAIL"]
+        for r in failed:
+            print(f"\nExercise {r.exercise.number}, {r.exercise.title}: FAIL\n  {r.message}")
+        available = [r for r in results if r.status != "not yet"]
+        passing = sum(r.ok for r in available)
+        print(f"\n{passing} of {len(available)} available exercises pass")
+        return 0 if passing == len(available) else 1
+
+    try:
+        number = int(args.exercise)
+    except ValueError:
+        raise SystemExit(f"check takes an exercise number or 'all', not {args.exercise!r}")
+    result = run_check(catalog.get(number), workspace)
+    print(_report(result))
+    return 0 if result.ok else 1
+
+
+def _report(r) -> str:
+    head = f"Exercise {r.exercise.number}, {r.exercise.title}:"
+    if r.ok:
+        return "\n".join([f"{head} PASS"] + [f"  ok  {p}" for p in r.passed])
+    if r.status in ("not started", "blocked", "not yet"):
+        return f"{head} {r.message}"
+    return f"{head} FAIL\n  {r.message}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m snippets.exercises",
+                                     description="The learning guide's exercises: stubs, hints "
+                                                 "and checks.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("list", help="the exercises and whether they are available yet")
+    p = sub.add_parser("stubs", help="write your copies of the exercise files")
+    p.add_argument("--out", default=DEFAULT_WORKSPACE,
+                   help="the workspace directory (default: workspace/, ignored by git)")
+    p.add_argument("--force", action="store_true",
+                   help="replace files that hold your edits (the old file is kept as .bak)")
+    p = sub.add_parser("hints", help="what an exercise asks, and its hints")
+    p.add_argument("number", type=int)
+    p = sub.add_parser("check", help="check your solution to an exercise (or all)")
+    p.add_argument("exercise", help="an exercise number, or all")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workspace", default=DEFAULT_WORKSPACE,
+                       help="where your copies are (default: workspace/)")
+    where.add_argument("--solutions", action="store_true",
+                       help="check the repository's own solutions (every check passes)")
+    args = parser.parse_args(argv)
+    return {"list": cmd_list, "stubs": cmd_stubs, "hints": cmd_hints,
+            "check": cmd_check}[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

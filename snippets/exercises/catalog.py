@@ -1,0 +1,310 @@
+"""The learning guide's exercises, one entry each: where the solution lives and how it is checked.
+
+An exercise is a section of a real module, between `# --8<-- [start:exercise-N]` and
+`# --8<-- [end:exercise-N]` (one exercise may own several sections, like 11's save and load).
+The stub generator blanks those sections out of a copy of the module; the checker imports the
+learner's copy and runs the function named in `check` from snippets/exercises/checks.py; the
+exercise pages include the same sections as the solutions. So adding an exercise is adding an
+entry here, its sections in the module, and its check function: nothing else has to change.
+
+An exercise is *available* once its file, every one of its sections and its check exist; until
+then `list` shows it with `arrives_with`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Exercise:
+    number: int
+    title: str  # what to implement, as the learner finds it in the file
+    file: str  # path of the solution module, relative to the repository root
+    sections: tuple[str, ...]  # the snippet sections that hold the solution
+    task: str  # one sentence: what the code must do (the stub's TODO comment)
+    concept: str
+    difficulty: str
+    hints: tuple[str, ...]
+    check: str  # name of the function in snippets.exercises.checks
+    phase: int
+    depends_on: tuple[int, ...] = ()
+    arrives_with: str = ""  # where the solution module comes from, while it does not exist yet
+
+    @property
+    def solution_path(self) -> Path:
+        return REPO_ROOT / self.file
+
+    @cached_property
+    def available(self) -> bool:
+        # Read, not imported: `list`, `hints` and `stubs` then start without importing torch.
+        checks = (Path(__file__).parent / "checks.py").read_text(encoding="utf-8")
+        if not self.solution_path.is_file() or f"\ndef {self.check}(" not in checks:
+            return False
+        text = self.solution_path.read_text(encoding="utf-8")
+        return all(f"[start:{s}]" in text and f"[end:{s}]" in text for s in self.sections)
+
+
+GPT_FILE = "snippets/models/gpt.py"
+DDP_FILE = "snippets/training/ddp_trainer.py"
+FSDP_FILE = "snippets/training/fsdp_trainer.py"
+
+EXERCISES: tuple[Exercise, ...] = (
+    # ------------------------------------------------------------ phase 1: the model
+    Exercise(
+        number=1, title="RMSNorm.forward", file=GPT_FILE, sections=("exercise-1",), phase=1,
+        task="scale each vector x to unit root-mean-square over its last dimension, then "
+             "multiply by self.weight",
+        concept="Tensor operations, broadcasting, normalisation",
+        difficulty="Easy (1-3 lines)",
+        hints=(
+            "the root mean square of a vector is sqrt(mean(x**2)) over the last dimension; "
+            "keepdim=True keeps a size-1 dimension so the division broadcasts over the vector",
+            "torch.rsqrt(m + self.eps) is 1/sqrt(m + eps): eps keeps an all-zero vector "
+            "from dividing by zero",
+            "RMSNorm does not subtract the mean (LayerNorm does): it only rescales",
+            "compute in float32 (x.float()) and return out.to(x.dtype): squares of "
+            "float16 values above 256 overflow",
+        ),
+        check="check_rmsnorm",
+    ),
+    Exercise(
+        number=2, title="rotate_half", file=GPT_FILE, sections=("exercise-2",), phase=1,
+        task="split the last dimension into halves (x1, x2) and return (-x2, x1)",
+        concept="Tensor slicing for rotary position embeddings",
+        difficulty="Easy (2-3 lines)",
+        hints=(
+            "x.chunk(2, dim=-1) returns the two halves of the last dimension",
+            "torch.cat((a, b), dim=-1) puts them back side by side",
+            "the NEGATED second half comes first: rotate_half([1, 2, 3, 4]) is [-3, -4, 1, 2]",
+        ),
+        check="check_rotate_half",
+    ),
+    Exercise(
+        number=3, title="apply_rotary_pos_emb", file=GPT_FILE, sections=("exercise-3",), phase=1,
+        task="rotate q and k by their positions' angles: x * cos + rotate_half(x) * sin, "
+             "and return both",
+        concept="Rotary position embeddings (RoPE)",
+        difficulty="Easy (2-3 lines, once the formula makes sense)",
+        hints=(
+            "each pair (x_i, x_{i+d/2}) is a point in a plane; rotating it by angle a gives "
+            "(x_i cos a - x_{i+d/2} sin a, x_{i+d/2} cos a + x_i sin a)",
+            "that is x * cos + rotate_half(x) * sin, with the cos and sin tables given "
+            "(they broadcast over batch and heads)",
+            "rotate both q and k, never v, and return them as a tuple (q, k)",
+        ),
+        depends_on=(2,),
+        check="check_apply_rotary_pos_emb",
+    ),
+    Exercise(
+        number=4, title="MLP.forward", file=GPT_FILE, sections=("exercise-4",), phase=1,
+        task="SwiGLU: down_proj(silu(gate_proj(x)) * up_proj(x))",
+        concept="Gated activations (SwiGLU), modern MLP design",
+        difficulty="Easy (1 line)",
+        hints=(
+            "two parallel projections of x: gate_proj(x) goes through F.silu, up_proj(x) does not",
+            "multiply them element by element, then project back with down_proj",
+            "SiLU, not GELU or ReLU: silu(z) = z * sigmoid(z)",
+        ),
+        check="check_mlp",
+    ),
+    Exercise(
+        number=5, title="CausalSelfAttention.forward (eager branch)", file=GPT_FILE,
+        sections=("exercise-5",), phase=1,
+        task="scores = q @ k^T / sqrt(head_dim), future positions set to -inf, softmax over "
+             "the keys, y = probs @ v",
+        concept="Scaled dot-product attention with a causal mask",
+        difficulty="Medium (5-8 lines)",
+        hints=(
+            "q and k are (B, heads, T, head_dim): q @ k.transpose(-2, -1) gives (B, heads, T, T) "
+            "scores, one row per query position",
+            "divide by math.sqrt(self.head_dim) so the scores' spread does not grow with head_dim",
+            "position t may look at positions 0..t only: build a (T, T) lower-triangular "
+            "boolean mask (torch.ones(T, T, dtype=torch.bool).tril()) and masked_fill the rest "
+            "with float('-inf') BEFORE the softmax",
+            "softmax over the last dimension (the keys), then y = probs @ v",
+        ),
+        depends_on=(3,),
+        check="check_attention",
+    ),
+    Exercise(
+        number=6, title="GPT._init_weights", file=GPT_FILE, sections=("exercise-6",), phase=1,
+        task="initialise Linear and Embedding weights from N(0, initializer_range), residual "
+             "outputs scaled by 1/sqrt(2 * num_hidden_layers), biases to 0, RMSNorm weights to 1",
+        concept="Weight initialisation, the isinstance() pattern",
+        difficulty="Easy (5-10 lines)",
+        hints=(
+            "model.apply(fn) calls fn on every submodule: branch with isinstance(module, nn.Linear)"
+            ", nn.Embedding, RMSNorm",
+            "nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)",
+            "linears with module.is_residual_output = True (o_proj, down_proj) add into the "
+            "residual stream: divide their std by math.sqrt(2 * self.config.num_hidden_layers)",
+            "nn.init.zeros_ for a bias if there is one; nn.init.ones_ for RMSNorm.weight",
+        ),
+        check="check_init_weights",
+    ),
+    Exercise(
+        number=7, title="GPT.forward", file=GPT_FILE, sections=("exercise-7",), phase=1,
+        task="embed, run the blocks (through checkpoint() when gradient_checkpointing and "
+             "training), final norm, lm_head, and the cross-entropy loss when targets are given",
+        concept="The full model pipeline, gradient checkpointing, the next-token loss",
+        difficulty="Medium (10-15 lines)",
+        hints=(
+            "x = self.embed_tokens(input_ids), then x = block(x) for each block in self.layers",
+            "with self.config.gradient_checkpointing and self.training, call "
+            "checkpoint(block, x, use_reentrant=False) instead of block(x)",
+            "the final self.norm before self.lm_head: the blocks are pre-norm, so the stream "
+            "leaving the last block was never normalised",
+            "targets are already the next tokens (the caller shifted them): "
+            "F.cross_entropy(logits.view(-1, V), targets.reshape(-1), ignore_index=-100)",
+            "return (logits, loss), with loss None when targets is None",
+        ),
+        depends_on=(1, 2, 3, 4, 5, 6),
+        check="check_gpt_forward",
+    ),
+    # ------------------------------------------------------------ phase 2: the training loop
+    Exercise(
+        number=8, title="DistributedTrainer._setup_optimizer", file=DDP_FILE,
+        sections=("exercise-8",), phase=2,
+        task="AdamW with two parameter groups: train_config.weight_decay on the matrices, 0.0 "
+             "on the 1-D parameters (norm gains, biases)",
+        concept="Parameter groups, weight decay, AdamW",
+        difficulty="Easy-Medium (10-15 lines)",
+        hints=(
+            "loop over self.raw_model.named_parameters() and skip parameters that do not "
+            "require grad",
+            "p.dim() >= 2 (Linear and Embedding weights) goes to the decay group; "
+            "p.dim() < 2 (RMSNorm gains, biases) to the no-decay group",
+            "torch.optim.AdamW([{'params': decay, 'weight_decay': wd}, {'params': no_decay, "
+            "'weight_decay': 0.0}], lr=self.train_config.lr, betas=(0.9, 0.95))",
+            "the tied embed_tokens / lm_head matrix is one Parameter: named_parameters() yields "
+            "it once, and it must be in one group only",
+        ),
+        check="check_setup_optimizer",
+        arrives_with="the DDP trainer (Week 1)",
+    ),
+    Exercise(
+        number=9, title="DistributedTrainer.get_lr", file=DDP_FILE, sections=("exercise-9",),
+        phase=2,
+        task="linear warmup to train_config.lr over warmup_steps, cosine decay to min_lr at "
+             "max_steps, then min_lr",
+        concept="Learning-rate schedules: warmup and cosine decay",
+        difficulty="Easy (5-8 lines)",
+        hints=(
+            "everything comes from self.train_config: lr, min_lr, warmup_steps, max_steps",
+            "warmup: lr * (step + 1) / warmup_steps, so step 0 already moves and step "
+            "warmup_steps - 1 reaches the peak",
+            "from step max_steps on, return min_lr",
+            "in between, progress = (step - warmup_steps) / (max_steps - warmup_steps) goes "
+            "from 0 to 1, and the rate is min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * "
+            "(lr - min_lr)",
+        ),
+        check="check_get_lr",
+        arrives_with="the DDP trainer (Week 1)",
+    ),
+    Exercise(
+        number=10, title="DistributedTrainer.train_step", file=DDP_FILE,
+        sections=("exercise-10",), phase=2,
+        task="one optimizer step: set the scheduled lr, accumulate the gradients of "
+             "grad_accum_steps micro-batches, clip, step, clear the gradients, return the stats",
+        concept="The training step: gradient accumulation, clipping, scheduling",
+        difficulty="Hard (20-30 lines)",
+        hints=(
+            "lr = self.get_lr(self.step); set group['lr'] = lr for every group in "
+            "self.optimizer.param_groups",
+            "for each of the grad_accum_steps micro-steps: batch = next(batch_iter), "
+            "inputs, targets = shift_for_next_token(batch), then forward through self.model "
+            "inside `with self._grad_sync(last_micro_step=...)`",
+            "backward (loss / grad_accum_steps): backward() adds into .grad, so the sum of the "
+            "scaled gradients is the gradient of the mean over the whole batch",
+            "after the last backward: grad_norm = torch.nn.utils.clip_grad_norm_("
+            "self.model.parameters(), max_norm) (math.inf when grad_clip is 0), then "
+            "self.optimizer.step() and self.optimizer.zero_grad(set_to_none=True)",
+            "self.step += 1, and return {'loss': mean of the micro-batch losses, 'grad_norm', "
+            "'lr', 'tokens': targets trained on, times self.world_size}",
+        ),
+        depends_on=(8, 9),
+        check="check_train_step",
+        arrives_with="the DDP trainer (Week 1)",
+    ),
+    Exercise(
+        number=11, title="DistributedTrainer.save_checkpoint and load_checkpoint", file=DDP_FILE,
+        sections=("exercise-11-save", "exercise-11-load"), phase=2,
+        task="save everything a run needs to continue exactly (unwrapped weights, optimizer, "
+             "step, data position, RNG states, configs), and load it back",
+        concept="State dicts, unwrapping DDP, resuming training",
+        difficulty="Easy-Medium (about 10 lines each)",
+        hints=(
+            "DDP keeps your model in .module: save unwrap_model(self.model).state_dict(), or "
+            "every key starts with 'module.' and only another wrapped model can load it",
+            "save self.optimizer.state_dict() too (AdamW's moments) and self.step (the lr "
+            "schedule's position), or the resumed run takes different steps",
+            "the data position is self.sampler.state_dict(); capture_rng_state() holds the RNGs",
+            "only tensors, numbers, strings and plain containers: self.config.to_dict() and "
+            "asdict(self.train_config), so the file loads with weights_only=True",
+            "write with save_atomic(path, state), read with load_verified(path, "
+            "map_location='cpu'), then load each piece back and return the state",
+        ),
+        check="check_checkpoint",
+        arrives_with="the DDP trainer (Week 1)",
+    ),
+    # ------------------------------------------------------------ phase 3: FSDP
+    Exercise(
+        number=12, title="FSDPTrainer._get_sharding_strategy", file=FSDP_FILE,
+        sections=("exercise-12",), phase=3,
+        task="map a strategy name to what FSDP shards",
+        concept="ZeRO stages: memory against communication",
+        difficulty="Easy (5 lines)", hints=(), check="check_sharding_strategy",
+        arrives_with="Week 2",
+    ),
+    Exercise(
+        number=13, title="FSDPTrainer._get_mixed_precision_policy", file=FSDP_FILE,
+        sections=("exercise-13",), phase=3,
+        task="the mixed-precision policy for bf16, fp16 or fp32",
+        concept="Mixed precision, bf16 against fp16",
+        difficulty="Easy (10 lines)", hints=(), check="check_mixed_precision_policy",
+        arrives_with="Week 2",
+    ),
+    Exercise(
+        number=14, title="FSDPTrainer._get_fsdp_policy", file=FSDP_FILE,
+        sections=("exercise-14",), phase=3,
+        task="wrap the model at transformer-block granularity",
+        concept="FSDP wrapping granularity",
+        difficulty="Easy (3 lines)", hints=(), check="check_fsdp_policy",
+        arrives_with="Week 2",
+    ),
+    Exercise(
+        number=15, title="FSDPTrainer.save_checkpoint", file=FSDP_FILE,
+        sections=("exercise-15",), phase=3,
+        task="gather the sharded state and save it",
+        concept="Distributed checkpointing of sharded state",
+        difficulty="Medium (15 lines)", hints=(), depends_on=(12, 13, 14),
+        check="check_fsdp_checkpoint", arrives_with="Week 2",
+    ),
+)
+
+BY_NUMBER = {e.number: e for e in EXERCISES}
+
+
+def get(number: int) -> Exercise:
+    try:
+        return BY_NUMBER[number]
+    except KeyError:
+        raise SystemExit(f"there is no exercise {number}; the exercises are "
+                         f"{min(BY_NUMBER)}-{max(BY_NUMBER)}") from None
+
+
+def all_dependencies(exercise: Exercise) -> list[Exercise]:
+    """Every exercise this one builds on, directly or not, in order."""
+    seen: set[int] = set()
+    stack = list(exercise.depends_on)
+    while stack:
+        n = stack.pop()
+        if n not in seen:
+            seen.add(n)
+            stack.extend(BY_NUMBER[n].depends_on)
+    return [BY_NUMBER[n] for n in sorted(seen)]

@@ -1,0 +1,151 @@
+"""Learner copies of the solution modules, with each exercise's section blanked out.
+
+The copy keeps every other byte of the module, the section markers included, so stub and
+solution never drift apart and the checker can find the exercise in the learner's file. The
+section's lines become a `# TODO(exercise N)` comment and a `raise NotImplementedError(...)`
+that names the exercise, its hints and the command that checks it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from snippets.exercises.catalog import EXERCISES, Exercise
+
+MARKER = re.compile(r"^(?P<indent>[ \t]*)# --8<-- \[(?P<kind>start|end):(?P<name>[\w.-]+)\]\s*$")
+# Where a stub still stands: `raise NotImplementedError(` then, on the next line, "Exercise N: ...
+STUB = re.compile(r'raise NotImplementedError\(\s*"Exercise (\d+):')
+
+
+def _literal(text: str) -> str:
+    """A double-quoted Python string literal holding text."""
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    """text cut at spaces into pieces of at most width characters (longer words stay whole);
+    every piece but the last keeps its trailing space, so the pieces join back into text."""
+    pieces, line = [], ""
+    for word in text.split(" "):
+        if line and len(line) + len(word) > width:
+            pieces.append(line)
+            line = ""
+        line += word + " "
+    return pieces + [line[:-1]]
+
+
+def stub_lines(exercise: Exercise, indent: str, width: int = 96) -> list[str]:
+    """The lines that stand in for one of the exercise's sections."""
+    n = exercise.number
+    message = [f"Exercise {n}: {exercise.title}. "]
+    hints = [f"({i}) {hint}." for i, hint in enumerate(exercise.hints, 1)]
+    if hints:
+        hints[0] = "Hints: " + hints[0]
+    message += [hint + " " for hint in hints]
+    message.append(f"Check with: python -m snippets.exercises check {n}")
+    todo = _wrap(f"TODO(exercise {n}): {exercise.task}.", width - len(indent) - 2)
+    literal_width = width - len(indent) - 4 - 2  # the 4-space continuation and the quotes
+    literals = [piece for part in message for piece in _wrap(part, literal_width)
+                if piece]
+    return [
+        f"{indent}# {todo[0].rstrip()}\n",
+        *(f"{indent}#   {line.rstrip()}\n" for line in todo[1:]),
+        f"{indent}raise NotImplementedError(\n",
+        *(f"{indent}    {_literal(piece)}\n" for piece in literals[:-1]),
+        f"{indent}    {_literal(literals[-1])})\n",
+    ]
+
+
+def make_stub(source: str, exercises: list[Exercise]) -> str:
+    """source with the sections of the given exercises replaced by their stubs."""
+    owner = {section: ex for ex in exercises for section in ex.sections}
+    out: list[str] = []
+    inside: str | None = None
+    found: set[str] = set()
+    for lineno, line in enumerate(source.splitlines(keepends=True), 1):
+        m = MARKER.match(line)
+        if inside is None:
+            out.append(line)
+            if m and m["kind"] == "start" and m["name"] in owner:
+                inside = m["name"]
+                out += stub_lines(owner[inside], m["indent"])
+        elif m and m["kind"] == "end" and m["name"] == inside:
+            out.append(line)
+            found.add(inside)
+            inside = None
+        elif m and m["name"] in owner:
+            raise ValueError(f"line {lineno}: section {m['name']} inside section {inside}")
+    if inside is not None:
+        raise ValueError(f"section {inside} has no end marker")
+    missing = set(owner) - found
+    if missing:
+        raise ValueError(f"sections not found: {', '.join(sorted(missing))}")
+    return "".join(out)
+
+
+def exercises_by_file() -> dict[str, list[Exercise]]:
+    files: dict[str, list[Exercise]] = {}
+    for ex in EXERCISES:
+        if ex.available:
+            files.setdefault(ex.file, []).append(ex)
+    return files
+
+
+def stub_for(file: str) -> str:
+    exercises = exercises_by_file()[file]
+    return make_stub(exercises[0].solution_path.read_text(encoding="utf-8"), exercises)
+
+
+@dataclass
+class Written:
+    path: Path
+    action: str  # "wrote", "unchanged", "replaced", "skipped"
+    exercises: list[int]
+    backup: Path | None = None
+
+
+def write_stubs(out: Path, force: bool = False) -> list[Written]:
+    """Write a stub of every file that holds an available exercise under out/, mirroring paths.
+
+    A file that differs from a fresh stub holds the learner's work: it is skipped unless force,
+    and even then the old file is kept beside it as <name>.bak (.bak.2, ... if that exists)."""
+    results = []
+    for file, exercises in exercises_by_file().items():
+        target = out / file
+        stub = stub_for(file)
+        numbers = [e.number for e in exercises]
+        if target.exists():
+            if target.read_text(encoding="utf-8") == stub:
+                results.append(Written(target, "unchanged", numbers))
+                continue
+            if not force:
+                results.append(Written(target, "skipped", numbers))
+                continue
+            backup = target.with_name(target.name + ".bak")
+            n = 2
+            while backup.exists():  # an older backup is someone's work too
+                backup = target.with_name(f"{target.name}.bak.{n}")
+                n += 1
+            shutil.copy2(target, backup)
+            target.write_text(stub, encoding="utf-8")
+            results.append(Written(target, "replaced", numbers, backup))
+            continue
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(stub, encoding="utf-8")
+        results.append(Written(target, "wrote", numbers))
+    return results
+
+
+def stub_location(text: str, number: int) -> int | None:
+    """Line (1-based) of the TODO comment of exercise number's stub in text; None when the
+    exercise's stub is no longer there."""
+    for m in STUB.finditer(text):
+        if int(m[1]) == number:
+            lineno = text.count("\n", 0, m.start()) + 1
+            todo = f"# TODO(exercise {number})"
+            previous = text.splitlines()[lineno - 2] if lineno >= 2 else ""
+            return lineno - 1 if todo in previous else lineno
+    return None

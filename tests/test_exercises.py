@@ -1,0 +1,450 @@
+"""The exercises: stubs are the solutions minus exactly the exercise sections, every check passes
+on the solutions, and each check fails, with its explanation, on a typical wrong answer."""
+
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from snippets.exercises import catalog
+from snippets.exercises.runner import run_check, solutions_workspace
+from snippets.exercises.stubs import (
+    MARKER,
+    exercises_by_file,
+    make_stub,
+    stub_for,
+    write_stubs,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+AVAILABLE = [ex for ex in catalog.EXERCISES if ex.available]
+
+
+def cli(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "snippets.exercises", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def outside_sections(text: str, sections: set[str]) -> list[str]:
+    """The lines of text outside the given sections (marker lines included)."""
+    kept, inside = [], None
+    for line in text.splitlines(keepends=True):
+        m = MARKER.match(line)
+        if inside is None:
+            kept.append(line)
+            if m and m["kind"] == "start" and m["name"] in sections:
+                inside = m["name"]
+        elif m and m["kind"] == "end" and m["name"] == inside:
+            kept.append(line)
+            inside = None
+    return kept
+
+
+def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[int] = frozenset()):
+    """A workspace holding a copy of each exercise file: the solution, with the named sections'
+    bodies replaced (code dedented, then indented like the section's marker) and the exercises
+    in `stubbed` turned back into stubs."""
+    for file, exercises in exercises_by_file().items():
+        source = make_stub((ROOT / file).read_text(),
+                           [e for e in exercises if e.number in stubbed])
+        out, inside = [], None
+        for line in source.splitlines(keepends=True):
+            m = MARKER.match(line)
+            if inside is None:
+                out.append(line)
+                if m and m["kind"] == "start" and m["name"] in replacements:
+                    inside = m["name"]
+                    body = textwrap.dedent(replacements[inside]).strip("\n")
+                    out += [m["indent"] + code + "\n" for code in body.splitlines()]
+            elif m and m["kind"] == "end" and m["name"] == inside:
+                out.append(line)
+                inside = None
+        target = tmp_path / file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text("".join(out))
+    return tmp_path
+
+
+# ---------------------------------------------------------------- the catalogue and the stubs
+
+
+def test_catalogue_lists_every_exercise_of_the_guide_once():
+    assert [e.number for e in catalog.EXERCISES] == list(range(1, 16))
+    assert {e.number for e in AVAILABLE} >= set(range(1, 8))
+    for ex in catalog.EXERCISES:
+        assert ex.title and ex.concept and ex.difficulty and ex.task
+        assert all(d < ex.number for d in ex.depends_on)
+        if ex.available:
+            assert ex.hints, f"exercise {ex.number} has no hints"
+        else:
+            assert ex.arrives_with, f"exercise {ex.number} does not say when it arrives"
+
+
+@pytest.mark.parametrize("file", sorted(exercises_by_file()))
+def test_stub_is_valid_python_and_differs_only_in_the_exercise_sections(file):
+    exercises = exercises_by_file()[file]
+    solution = (ROOT / file).read_text()
+    stub = stub_for(file)
+    compile(stub, file, "exec")
+    sections = {s for e in exercises for s in e.sections}
+    assert outside_sections(stub, sections) == outside_sections(solution, sections)
+    raises = "raise NotImplementedError(\n"
+    assert stub.count(raises) - solution.count(raises) == sum(len(e.sections) for e in exercises)
+    for ex in exercises:
+        assert f'"Exercise {ex.number}: {ex.title}. ' in stub
+        assert f"# TODO(exercise {ex.number}): " in stub
+        assert f"python -m snippets.exercises check {ex.number}\")" in stub
+    # nothing of a solution body survives in its section
+    for ex in exercises:
+        for section in ex.sections:
+            body = re.search(rf"\[start:{section}\]\n(.*?)\n[ \t]*# --8<-- \[end:{section}\]",
+                             stub, re.S)[1]
+            assert all(line.lstrip().startswith(("#", "raise", '"')) for line in
+                       body.splitlines()), body
+
+
+def test_stubs_never_overwrite_edited_files_without_force(tmp_path):
+    first = write_stubs(tmp_path)
+    assert {w.action for w in first} == {"wrote"}
+    again = write_stubs(tmp_path)
+    assert {w.action for w in again} == {"unchanged"}
+    gpt = tmp_path / catalog.GPT_FILE
+    edited = gpt.read_text().replace("# TODO(exercise 1)", "return x  # mine; TODO(exercise 1)", 1)
+    gpt.write_text(edited)
+
+    result = cli("stubs", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert f"skipped {gpt}" in result.stdout and "--force" in result.stdout
+    assert gpt.read_text() == edited
+
+    replaced = {w.path: w for w in write_stubs(tmp_path, force=True)}[gpt]
+    assert replaced.action == "replaced"
+    assert gpt.read_text() == stub_for(catalog.GPT_FILE)
+    assert replaced.backup.read_text() == edited  # --force still keeps the learner's work
+    gpt.write_text(edited + "# more work\n")
+    again = {w.path: w for w in write_stubs(tmp_path, force=True)}[gpt]
+    assert again.backup.name == "gpt.py.bak.2" and replaced.backup.read_text() == edited
+
+
+# ---------------------------------------------------------------- checks accept correct code
+
+
+@pytest.mark.parametrize("ex", AVAILABLE, ids=lambda e: f"exercise-{e.number}")
+def test_every_check_passes_on_the_solutions(ex):
+    result = run_check(ex, solutions_workspace())
+    assert result.ok, result.message
+    assert result.passed
+
+
+def test_cli_check_all_on_the_solutions_and_on_fresh_stubs(tmp_path):
+    solutions = cli("check", "all", "--workspace", ".")
+    assert solutions.returncode == 0, solutions.stdout + solutions.stderr
+    assert f"{len(AVAILABLE)} of {len(AVAILABLE)} available exercises pass" in solutions.stdout
+    assert "not yet (comes with Week 2)" in solutions.stdout
+
+    write_stubs(tmp_path)
+    fresh = cli("check", "2", "--workspace", str(tmp_path))
+    assert fresh.returncode == 1
+    line = next(n for n, text in enumerate(stub_for(catalog.GPT_FILE).splitlines(), 1)
+                if text.startswith("    # TODO(exercise 2): "))
+    assert (f"not started yet: edit {tmp_path / catalog.GPT_FILE} at line {line}"
+            in fresh.stdout)
+
+
+# ---------------------------------------------------------------- checks reject wrong code
+
+WRONG = {
+    # exercise: (section, wrong body, part of the explanation the learner must see)
+    "rmsnorm-no-rsqrt": (1, "exercise-1",
+                         "return x * x.pow(2).mean(-1, keepdim=True) * self.weight",
+                         "expected 1.0 with weight=1: did you divide by the root mean square"),
+    "rmsnorm-layernorm": (1, "exercise-1", """
+        xc = x - x.mean(-1, keepdim=True)
+        return xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+        """, "that is LayerNorm"),
+    "rmsnorm-no-weight": (1, "exercise-1",
+                          "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)",
+                          "ignores self.weight"),
+    "rmsnorm-guide-one-liner": (1, "exercise-1",
+                                "return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + "
+                                "self.eps) * self.weight",
+                                "cast back with out.to(x.dtype)"),
+    "rotate-half-no-negation": (2, "exercise-2", """
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x2, x1), dim=-1)
+        """, "returned [3, 4, 1, 2]; expected [-3, -4, 1, 2]: you swapped the halves but forgot "
+             "the sign"),
+    "rotate-half-wrong-half": (2, "exercise-2", """
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x2, -x1), dim=-1)
+        """, "rotate_half([1, 2, 3, 4]) returned [3, 4, -1, -2]; expected [-3, -4, 1, 2]: the "
+             "first half of the output must be the NEGATED second half of the input"),
+    "rotate-half-first-dim": (2, "exercise-2", """
+        x1, x2 = x.chunk(2, dim=0)
+        return torch.cat((-x2, x1), dim=0)
+        """, "along the LAST dimension"),
+    "rope-minus-sin": (3, "exercise-3",
+                       "return q * cos - rotate_half(q) * sin, k * cos - rotate_half(k) * sin",
+                       "rotates the wrong way"),
+    "rope-k-unrotated": (3, "exercise-3", "return q * cos + rotate_half(q) * sin, k",
+                         "your rotated k is k unchanged"),
+    "mlp-gelu": (4, "exercise-4",
+                 "return self.down_proj(F.gelu(self.gate_proj(x)) * self.up_proj(x))",
+                 "you used GELU; SwiGLU gates with SiLU"),
+    "mlp-silu-on-up": (4, "exercise-4",
+                       "return self.down_proj(self.gate_proj(x) * F.silu(self.up_proj(x)))",
+                       "SiLU goes on gate_proj(x)"),
+    "attention-no-mask": (5, "exercise-5", """
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        y = torch.softmax(scores, dim=-1) @ v
+        """, "your attention leaks the future: changing token 5 changed the output at position 0:"
+             " apply the causal mask before softmax"),
+    "attention-mask-zero": (5, "exercise-5", """
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        y = torch.softmax(scores.masked_fill(~causal, 0.0), dim=-1) @ v
+        """, "exp(0) = 1 still gives them weight"),
+    "attention-no-scale": (5, "exercise-5", """
+        scores = q @ k.transpose(-2, -1)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        y = torch.softmax(scores.masked_fill(~causal, float("-inf")), dim=-1) @ v
+        """, "divide q @ k^T by math.sqrt(self.head_dim)"),
+    "attention-mask-after-softmax": (5, "exercise-5", """
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        y = (torch.softmax(scores, dim=-1) * causal) @ v
+        """, "you masked after the softmax"),
+    "init-no-residual-scaling": (6, "exercise-6", """
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        """, "layers.0.self_attn.o_proj.weight has std 0.020"),
+    "init-embedding-untouched": (6, "exercise-6", """
+        if isinstance(module, nn.Linear):
+            std = self.config.initializer_range
+            if getattr(module, "is_residual_output", False):
+                std = std / math.sqrt(2 * self.config.num_hidden_layers)
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        """, "embed_tokens.weight has std 1.00"),
+    "forward-no-final-norm": (7, "exercise-7", """
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            x = block(x)
+        logits = self.lm_head(x)
+        loss = None if targets is None else F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+        """, "you skipped the final norm"),
+    "forward-shifts-again": (7, "exercise-7", """
+        x = self.norm(self.layers[1](self.layers[0](self.embed_tokens(input_ids))))
+        logits = self.lm_head(x)
+        loss = None if targets is None else F.cross_entropy(
+            logits[:, :-1].reshape(-1, logits.size(-1)), targets[:, 1:].reshape(-1))
+        return logits, loss
+        """, "you shifted the targets again"),
+    "forward-no-checkpointing": (7, "exercise-7", """
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            x = block(x)
+        logits = self.lm_head(self.norm(x))
+        loss = None if targets is None else F.cross_entropy(
+            logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+        """, "checkpoint() ran 0 times for 2 blocks"),
+}
+
+TRAINER_WRONG = {
+    "optimizer-decays-everything": (8, "exercise-8", """
+        return torch.optim.AdamW(self.raw_model.parameters(), lr=self.train_config.lr,
+                                 weight_decay=self.train_config.weight_decay)
+        """, "(1-D: an RMSNorm gain) has weight_decay 0.05, expected 0.0"),
+    "optimizer-adam": (8, "exercise-8", """
+        decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
+        rest = [p for p in self.raw_model.parameters() if p.dim() < 2]
+        return torch.optim.Adam([{"params": decay, "weight_decay": 0.05},
+                                 {"params": rest, "weight_decay": 0.0}])
+        """, "return a torch.optim.AdamW: torch.optim.Adam's weight_decay"),
+    "optimizer-tied-twice": (8, "exercise-8", """
+        params = [p for _, p in self.raw_model.named_parameters(remove_duplicate=False)]
+        return torch.optim.AdamW([
+            {"params": [p for p in params if p.dim() >= 2],
+             "weight_decay": self.train_config.weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
+        """, "ONE Parameter under two names"),
+    "lr-decays-to-zero": (9, "exercise-9", """
+        tc = self.train_config
+        if step < tc.warmup_steps:
+            return tc.lr * (step + 1) / tc.warmup_steps
+        progress = min(1.0, (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) * tc.lr
+        """, "you decay to 0; the cosine ends at min_lr"),
+    "lr-warmup-late": (9, "exercise-9", """
+        tc = self.train_config
+        if step < tc.warmup_steps:
+            return tc.lr * step / tc.warmup_steps
+        if step >= tc.max_steps:
+            return tc.min_lr
+        progress = (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps)
+        return tc.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
+        """, "get_lr(0) = 0, expected 0.0001"),
+    "lr-linear-decay": (9, "exercise-9", """
+        tc = self.train_config
+        if step < tc.warmup_steps:
+            return tc.lr * (step + 1) / tc.warmup_steps
+        progress = min(1.0, (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps))
+        return tc.lr - progress * (tc.lr - tc.min_lr)
+        """, "that is a linear decay"),
+    "step-no-loss-scaling": (10, "exercise-10", """
+        accum = self.train_config.grad_accum_steps
+        lr = self.get_lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for micro_step in range(accum):
+            inputs, targets = shift_for_next_token(next(batch_iter))
+            with self._grad_sync(last_micro_step=micro_step == accum - 1):
+                _, loss = self.model(inputs, targets)
+                loss.backward()
+            losses.append(loss.item())
+        clip = self.train_config.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": sum(losses) / accum, "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens": accum * targets.numel() * self.world_size}
+        """, "divide each micro-batch's loss by grad_accum_steps before backward()"),
+    "step-no-zero-grad": (10, "exercise-10", """
+        accum = self.train_config.grad_accum_steps
+        lr = self.get_lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for micro_step in range(accum):
+            inputs, targets = shift_for_next_token(next(batch_iter))
+            with self._grad_sync(last_micro_step=micro_step == accum - 1):
+                _, loss = self.model(inputs, targets)
+                (loss / accum).backward()
+            losses.append(loss.item())
+        clip = self.train_config.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip)
+        self.optimizer.step()
+        self.step += 1
+        return {"loss": sum(losses) / accum, "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens": accum * targets.numel() * self.world_size}
+        """, "self.optimizer.zero_grad(set_to_none=True)"),
+    "step-no-clipping": (10, "exercise-10", """
+        accum = self.train_config.grad_accum_steps
+        lr = self.get_lr(self.step)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        losses = []
+        for micro_step in range(accum):
+            inputs, targets = shift_for_next_token(next(batch_iter))
+            with self._grad_sync(last_micro_step=micro_step == accum - 1):
+                _, loss = self.model(inputs, targets)
+                (loss / accum).backward()
+            losses.append(loss.item())
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), math.inf)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": sum(losses) / accum, "grad_norm": grad_norm.item(), "lr": lr,
+                "tokens": accum * targets.numel() * self.world_size}
+        """, "with grad_clip=0.01 the optimizer saw gradients of norm"),
+    "checkpoint-wrapped-keys": (11, "exercise-11-save", """
+        return save_atomic(path, {"model": self.model.state_dict(),
+                                  "optimizer": self.optimizer.state_dict(), "step": self.step,
+                                  "sampler": self.sampler.state_dict()})
+        """, "the saved model keys start with 'module.'"),
+    "checkpoint-no-optimizer": (11, "exercise-11-save", """
+        groups = self.optimizer.state_dict()["param_groups"]
+        return save_atomic(path, {"model": unwrap_model(self.model).state_dict(),
+                                  "step": self.step, "sampler": self.sampler.state_dict(),
+                                  "optimizer": {"state": {}, "param_groups": groups},
+                                  "rng": capture_rng_state(),
+                                  "model_config": self.config.to_dict(),
+                                  "train_config": asdict(self.train_config)})
+        """, "the optimizer has no state"),
+    "checkpoint-no-sampler": (11, "exercise-11-load", """
+        state = load_verified(path, map_location="cpu")
+        unwrap_model(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = state["step"]
+        return state
+        """, "restore the data position"),
+    "checkpoint-no-step": (11, "exercise-11-load", """
+        state = load_verified(path, map_location="cpu")
+        unwrap_model(self.model).load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.sampler.load_state_dict(state["sampler"])
+        return state
+        """, "restore the step"),
+}
+if catalog.get(8).available:
+    WRONG.update(TRAINER_WRONG)
+
+
+@pytest.mark.filterwarnings("ignore:optimizer contains a parameter group with duplicate")
+@pytest.mark.parametrize("case", sorted(WRONG))
+def test_check_explains_a_wrong_implementation(case, tmp_path):
+    number, section, body, explanation = WRONG[case]
+    workspace = workspace_with(tmp_path, {section: body})
+    result = run_check(catalog.get(number), workspace)
+    assert result.status == "FAIL", result
+    assert explanation in result.message, result.message
+
+
+def test_a_stub_is_not_started_and_blocks_what_builds_on_it(tmp_path):
+    workspace = workspace_with(tmp_path, {}, stubbed={3})
+    gpt = tmp_path / catalog.GPT_FILE
+    result = run_check(catalog.get(3), workspace)
+    assert result.status == "not started"
+    assert result.message.startswith(f"not started yet: edit {gpt} at line ")
+    result = run_check(catalog.get(7), workspace)
+    assert result.status == "blocked"
+    assert "exercise 7 needs exercises 1-6; exercise 3 is not done yet" in result.message
+    assert run_check(catalog.get(2), workspace).ok
+
+
+def test_a_wrong_dependency_is_named(tmp_path):
+    number, section, body, _ = WRONG["rotate-half-no-negation"]
+    workspace = workspace_with(tmp_path, {section: body})
+    result = run_check(catalog.get(3), workspace)
+    assert result.status == "FAIL"
+    assert ("exercise 3 builds on exercise 2, which does not pass its own check yet"
+            in result.message)
+
+
+def test_errors_in_the_learners_code_point_at_the_line(tmp_path):
+    workspace = workspace_with(tmp_path, {"exercise-4": "return self.down_proj(self.gate_proj)"})
+    result = run_check(catalog.get(4), workspace)
+    assert result.status == "FAIL"
+    assert f"at {tmp_path / catalog.GPT_FILE} line" in result.message
+    workspace_with(tmp_path, {"exercise-4": "return (("})
+    result = run_check(catalog.get(4), workspace)
+    assert "is not valid Python" in result.message
+
+
+def test_the_checked_module_is_the_learners_copy_not_the_solution(tmp_path):
+    workspace = workspace_with(tmp_path, {"exercise-2": "return x"})
+    assert run_check(catalog.get(2), workspace).status == "FAIL"
+    import snippets.models.gpt as solution
+    import torch
+
+    assert solution.rotate_half(torch.tensor([1, 2, 3, 4])).tolist() == [-3, -4, 1, 2]
+
+
+def test_the_failure_shown_on_the_exercises_page_is_real(tmp_path):
+    from snippets.exercises.__main__ import _report
+
+    number, section, body, _ = WRONG["rotate-half-no-negation"]
+    report = _report(run_check(catalog.get(number), workspace_with(tmp_path, {section: body})))
+    page = (ROOT / "docs" / "exercises" / "index.md").read_text()
+    assert f"```text\n{report}\n```" in page, report
