@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from snippets.dist import LaunchError
 import torch
 
 from snippets.models.gpt import get_config
@@ -257,10 +259,13 @@ def test_loading_a_different_model_is_a_clear_error(tmp_path):
 # --------------------------------------------------------------------- the DDP seams
 
 
-def test_multi_process_launch_is_refused_until_ddp_exists(monkeypatch):
+def test_half_set_launch_environment_is_a_clear_error(monkeypatch):
+    # WORLD_SIZE says "distributed" but nothing says where rank 0 is: name what is missing.
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(NotImplementedError, match="single process"):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(LaunchError, match="MASTER_ADDR, MASTER_PORT not set.*torchrun"):
         make_trainer()
 
 

@@ -1,6 +1,7 @@
-"""The training loop the data-parallel lessons build on: one process today, torchrun next.
+"""The training loop of the learning guide, in one process or many (DDP under torchrun).
 
     python snippets/training/ddp_trainer.py --model_size small --max_steps 50
+    torchrun --nproc_per_node=2 snippets/training/ddp_trainer.py --model_size small --max_steps 50
 
 `DistributedTrainer` holds the four pieces of a real pretraining loop, each one an exercise:
 
@@ -9,11 +10,11 @@
 * `train_step()`        (exercise 10): gradient accumulation, clipping, one optimizer step.
 * `save_checkpoint()` / `load_checkpoint()` (exercise 11): resume exactly where a run stopped.
 
-This version runs in a single process. The multi-process version (a later lesson) launches the
-same file with torchrun; everything it needs already has a place here: `rank` and `world_size`
-come from the environment torchrun sets (0 and 1 without it), `_wrap_model()` is where
-DistributedDataParallel goes, `_grad_sync()` is where its `no_sync()` goes, and only rank 0
-prints and writes checkpoints. Search for "DDP seam" to find each spot.
+The same file runs in one process or, under torchrun, in many: `rank` and `world_size` come
+from the environment torchrun sets (0 and 1 without it), `_wrap_model()` wraps the model in
+DistributedDataParallel, `_grad_sync()` skips the all-reduce on all but the last micro-batch,
+every rank takes its own slice of each global batch, and only rank 0 prints and writes
+checkpoints. Search for "DDP seam" to find each spot.
 """
 
 from __future__ import annotations
@@ -28,10 +29,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
+from snippets.dist import init_from_env
 from snippets.machine import pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
@@ -118,6 +122,11 @@ class DistributedTrainer:
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))  # GPU index on this machine
         self.world_size = int(os.environ.get("WORLD_SIZE", 1))
         self.is_main = self.rank == 0  # only rank 0 prints and writes checkpoints
+        if self.world_size > 1:
+            if not dist.is_initialized():
+                init_from_env()  # gloo on CPU, nccl on GPUs; every collective has a timeout
+            if self.device.type == "cuda":
+                self.device = torch.device("cuda", self.local_rank)  # one GPU per process
 
         self.seq_len = train_config.seq_len or model_config.max_position_embeddings
         if self.seq_len > model_config.max_position_embeddings:
@@ -145,33 +154,33 @@ class DistributedTrainer:
 
     # --8<-- [start:wrap-model]
     def _wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        # DDP seam. With world_size > 1 this becomes
-        #     DistributedDataParallel(model, device_ids=[self.local_rank])
-        # (after torch.distributed.init_process_group), which averages gradients across
-        # processes during backward(). One process has nothing to average: no wrapper.
+        # DDP seam. DistributedDataParallel broadcasts rank 0's weights, then averages the
+        # gradients across processes inside every backward(). One process has nothing to
+        # average: no wrapper. (Without it, N processes would train N unrelated copies.)
         if self.world_size == 1:
             return model
-        # Without the wrapper, N processes would train N unrelated copies of the model.
-        raise NotImplementedError(
-            f"WORLD_SIZE={self.world_size}: this trainer runs a single process for now; the "
-            "multi-process (DDP) version comes in a later lesson. Run it without torchrun.")
+        device_ids = [self.local_rank] if self.device.type == "cuda" else None
+        return DistributedDataParallel(model, device_ids=device_ids)
 
     def _grad_sync(self, last_micro_step: bool):
         # DDP seam. DDP all-reduces gradients inside every backward(); with gradient
-        # accumulation only the last micro-batch's backward needs that, so the others will run
-        # under `self.model.no_sync()` (gradients then just add up locally):
-        #     return contextlib.nullcontext() if last_micro_step else self.model.no_sync()
-        # One process has no gradients to synchronise: nothing to skip.
-        return contextlib.nullcontext()
+        # accumulation only the last micro-batch's backward needs that, so the others run
+        # under no_sync() and their gradients just add up locally: one all-reduce per step.
+        if self.world_size == 1 or last_micro_step:
+            return contextlib.nullcontext()
+        return self.model.no_sync()
     # --8<-- [end:wrap-model]
 
     def _setup_data(self):
         tc = self.train_config
-        # DDP seam: seed + rank gives each process different batches. With the same batches
-        # every GPU would compute the same gradient, and N GPUs would do the work of one.
-        seed = tc.seed + self.rank
+        # DDP seam: every rank draws the same *global* batch (same seed, world_size times the
+        # micro-batch) and keeps its own slice of it (micro_batches below). The ranks train on
+        # different data, the sampler's state is the same on every rank (so rank 0's copy in
+        # a checkpoint resumes all of them), and N processes x batch B see exactly the batches
+        # one process with batch N x B would.
+        seed, global_batch = tc.seed, tc.batch_size * self.world_size
         if tc.data == "dummy":
-            return DummyBatches(self.config.vocab_size, tc.batch_size, self.seq_len, seed)
+            return DummyBatches(self.config.vocab_size, global_batch, self.seq_len, seed)
         tokenizer = ByteTokenizer()
         if self.config.vocab_size < tokenizer.vocab_size:
             raise ConfigError(f"byte-level text needs vocab_size >= {tokenizer.vocab_size}, "
@@ -180,13 +189,14 @@ class DistributedTrainer:
         # Hold out the tail (as train_tiny_transformer does) so a later evaluation measures
         # text this run never trained on.
         train_tokens, _ = train_val_split(tokens, 0.1, self.seq_len)
-        return RandomWindowSampler(train_tokens, tc.batch_size, self.seq_len, seed)
+        return RandomWindowSampler(train_tokens, global_batch, self.seq_len, seed)
 
     def micro_batches(self):
-        """Endless (batch_size, seq_len + 1) token batches. Lazy: a batch is drawn only when
-        train_step asks for it, so the sampler state in a checkpoint is exactly 'next batch'."""
+        """Endless (batch_size, seq_len + 1) token batches: this rank's rows of each global
+        batch. Lazy: a batch is drawn only when train_step asks for it, so the sampler state in
+        a checkpoint is exactly 'next batch'."""
         while True:
-            yield self.sampler.next_batch()
+            yield self.sampler.next_batch()[self.rank :: self.world_size]
 
     # --8<-- [start:optimizer]
     def _setup_optimizer(self) -> torch.optim.AdamW:
@@ -273,8 +283,11 @@ class DistributedTrainer:
         # gradient instead of adding to zeros.
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        # .item() waits for the device: fine once a step. (Under DDP this loss is the local
-        # rank's; an all-reduce would average it for logging.)
+        # .item() waits for the device: fine once a step. Under DDP each rank's loss covers its
+        # own slice; averaged over ranks it is the global batch's loss.
+        if self.world_size > 1:
+            dist.all_reduce(loss_sum)  # a sum: gloo has no AVG
+            loss_sum /= self.world_size
         return {"loss": (loss_sum / accum).item(), "grad_norm": grad_norm.item(), "lr": lr,
                 "tokens": tokens * self.world_size}
         # --8<-- [end:exercise-10]
@@ -320,13 +333,21 @@ class DistributedTrainer:
         self.step = state["step"]
         return state
         # --8<-- [end:exercise-11-load]
+
+    def save_checkpoint_once(self, path: str | Path) -> None:
+        """DDP seam: the replicas are identical, so rank 0 writes the only copy; the others
+        wait, so no rank runs ahead of a checkpoint it may have to resume from."""
+        if self.is_main:
+            self.save_checkpoint(path)
+        if self.world_size > 1:
+            dist.barrier()
     # --8<-- [end:checkpoint]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(
-        description="Train a GPT in one process (the multi-process DDP version comes later).",
+        description="Train a GPT in one process, or with DDP under torchrun.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_size", default="small",
                    help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
@@ -359,7 +380,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
-        # DDP seam: under torchrun each process will take cuda:LOCAL_RANK instead.
+        # DDP seam: under torchrun each process then takes cuda:LOCAL_RANK (see __init__).
         device = pick_device(args.device)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
@@ -409,16 +430,15 @@ def main(argv: list[str] | None = None) -> int:
             trainer.log(f"step {trainer.step:5d}/{tc.max_steps} | loss {stats['loss']:.4f} | "
                         f"lr {stats['lr']:.2e} | grad norm {stats['grad_norm']:.3f} | "
                         f"{stats['tokens'] / seconds:,.0f} tokens/s")
-        if trainer.is_main and args.ckpt_every and trainer.step % args.ckpt_every == 0:
-            trainer.save_checkpoint(ckpt_path)
+        if args.ckpt_every and trainer.step % args.ckpt_every == 0:
+            trainer.save_checkpoint_once(ckpt_path)
     # --8<-- [end:training-loop]
     elapsed = time.perf_counter() - start
 
     if not losses:
         trainer.log(f"nothing to do: {ckpt_path} is already at step {trainer.step}")
         return 0
-    if trainer.is_main:
-        trainer.save_checkpoint(ckpt_path)
+    trainer.save_checkpoint_once(ckpt_path)
     trainer.log(f"done: {len(losses)} steps in {elapsed:.1f} s "
                 f"({len(losses) * trainer.tokens_per_step / elapsed:,.0f} tokens/s) | "
                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | checkpoint {ckpt_path}")
