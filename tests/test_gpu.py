@@ -1,0 +1,79 @@
+"""The CUDA/NCCL part of the suite: run by `make test-gpu` on a GPU machine (the GPU workflow).
+
+Elsewhere every test here is skipped with its reason; under REQUIRE_GPU=1 a missing GPU fails.
+Tests that need two GPUs (NCCL refuses two ranks on one device) skip on a one-GPU machine.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snippets.dist import spawn
+from snippets.scratch.collectives import ring_all_reduce
+from snippets.scratch.precision import DynamicLossScaler
+
+pytestmark = pytest.mark.cuda(reason="CUDA/NCCL tests for the GPU runner")
+
+
+def need_gpus(n):
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs (NCCL runs one rank per GPU); this machine has "
+                    f"{torch.cuda.device_count()}")
+
+
+def nccl_ring(rank, world_size):
+    x = torch.arange(1000, dtype=torch.float32, device="cuda") * (rank + 1)
+    expected = x.clone()
+    dist.all_reduce(expected)
+    ring_all_reduce(x)
+    return torch.equal(x, expected)  # integer-valued: exact in any order
+
+
+def test_ring_all_reduce_on_nccl():
+    need_gpus(2)
+    world = torch.cuda.device_count()
+    assert spawn(nccl_ring, world, backend="nccl") == [True] * world
+
+
+def test_fp16_autocast_with_scratch_scaler_follows_grad_scaler():
+    def run(use_torch):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                                    torch.nn.Linear(64, 1)).cuda()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        kwargs = dict(init_scale=2.0**16, growth_interval=2)
+        scaler = torch.amp.GradScaler("cuda", **kwargs) if use_torch else DynamicLossScaler(**kwargs)
+        x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 1, device="cuda")
+        scales = []
+        for step in range(8):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = torch.nn.functional.mse_loss(model(x).float(), y)
+            if step == 3:
+                loss = loss * math.inf  # an overflow, as a too-large scale would cause in fp16
+            optimizer.zero_grad()
+            if use_torch:
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                scales.append(scaler.get_scale())
+            else:
+                scaler.scale_loss(loss).backward()
+                scaler.step(optimizer)
+                scales.append(scaler.scale)
+        return scales, [p.detach().cpu() for p in model.parameters()]
+
+    ours, theirs = run(False), run(True)
+    assert ours[0] == theirs[0]
+    for a, b in zip(ours[1], theirs[1]):
+        torch.testing.assert_close(a, b)  # same unscale-and-step; fp16 kernels may differ in ulps
+
+
+def test_tiny_transformer_trains_on_cuda(tmp_path):
+    from snippets.training.train_tiny_transformer import parse_args, train
+
+    records = train(parse_args(["--config", "tiny", "--device", "cuda", "--epochs", "1",
+                                "--steps-per-epoch", "40", "--out", str(tmp_path)]))
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses[-1] < 0.8 * losses[0]
