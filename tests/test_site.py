@@ -53,6 +53,15 @@ def test_executed_lesson_has_real_output(built_site: Path):
     assert "data:image/png;base64," in html  # the matplotlib figure
 
 
+def test_session_a_demo_resumes_exactly(built_site: Path):
+    html = (built_site / "lessons" / "session_a_demo" / "index.html").read_text()
+    # The page's claim, printed by its own run: the resumed losses equal the unbroken run's.
+    assert "steps 81-160 equal, bit for bit: True" in html
+    assert "validation losses equal: True" in html
+    assert "data:image/png;base64," in html  # the loss curve
+    assert "widget-view" not in html  # a progress-bar widget would need JavaScript from a CDN
+
+
 def write_site(tmp: Path, page: str) -> Path:
     docs = tmp / "docs"
     docs.mkdir(parents=True)

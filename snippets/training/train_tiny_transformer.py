@@ -256,15 +256,15 @@ class MetricsLog:
 
 
 def plot_losses(metrics_path: Path, png_path: Path, vocab_size: int) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display needed
-    import matplotlib.pyplot as plt
+    # A bare Figure, not pyplot: no display needed, and no global backend switch that would
+    # turn off the inline plots of a notebook calling train().
+    from matplotlib.figure import Figure
 
     records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line]
     train = [(r["step"], r["loss"]) for r in records if r["kind"] == "train"]
     val = [(r["step"], r["val_loss"]) for r in records if r["kind"] == "eval"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     if train:
         ax.plot(*zip(*train), lw=1, label="train loss (per step)")
     if val:
@@ -275,7 +275,6 @@ def plot_losses(metrics_path: Path, png_path: Path, vocab_size: int) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=100)
-    plt.close(fig)
 
 
 def train(args: argparse.Namespace) -> list[dict]:
@@ -331,8 +330,14 @@ def _train(args: argparse.Namespace) -> list[dict]:
     if args.resume:
         ckpt = manager.load_latest(map_location="cpu")
         if ckpt.state["config"] != config.to_dict():
+            # A changed head count loads without a shape error and silently computes
+            # something else, so every difference is an error, named field by field.
+            diff = ", ".join(f"{key} {ckpt.state['config'].get(key)!r} -> {value!r}"
+                             for key, value in config.to_dict().items()
+                             if ckpt.state["config"].get(key) != value)
             raise CheckpointError(f"{ckpt.path} was trained with a different model config "
-                                  f"({ckpt.state['config']}); pass the same --config")
+                                  f"(checkpoint -> --config: {diff}); pass the --config it "
+                                  "was trained with")
         changed = {k: (ckpt.state["hparams"].get(k), v) for k, v in hparams.items()
                    if ckpt.state["hparams"].get(k) != v}
         if changed:
@@ -383,7 +388,9 @@ def _train(args: argparse.Namespace) -> list[dict]:
         metrics.log(record)
         return val_loss
 
-    from tqdm.auto import tqdm
+    # The terminal progress bar (not tqdm.auto's notebook widget): with disable=None it turns
+    # itself off when the output is not a terminal (a log file, a notebook); the log lines stay.
+    from tqdm import tqdm
 
     stop_at = total_steps if args.max_steps is None else min(args.max_steps, total_steps)
     bar = tqdm(total=total_steps, initial=step, disable=None, unit="step", dynamic_ncols=True)
