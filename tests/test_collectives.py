@@ -10,6 +10,7 @@ from snippets.scratch.collectives import measure_all_reduce, ring_all_reduce
 SIZES = [1, 3, 7, 10, 1000, 2**16 + 1]  # smaller than, not divisible by, and divisible by 2 and 4
 
 
+# --8<-- [start:ring-equals-library]
 def ring_vs_library(rank, world_size):
     out = []
     for numel in SIZES:
@@ -37,8 +38,10 @@ def test_ring_all_reduce_equals_dist_all_reduce(world_size):
     for other in per_rank[1:]:  # every rank ends with the identical result
         for (_, _, a, _), (_, _, b, _) in zip(per_rank[0], other):
             assert torch.equal(a, b)
+# --8<-- [end:ring-equals-library]
 
 
+# --8<-- [start:busbw-factor]
 def bandwidth(rank, world_size):
     return measure_all_reduce(ring_all_reduce, 2**16, repeats=2)
 
@@ -47,6 +50,7 @@ def test_bus_bandwidth_is_algorithm_bandwidth_times_ring_factor():
     a, b, c, d = spawn(bandwidth, 4)
     assert a == b == c == d  # every rank reports the slowest rank's time
     assert a["busbw_GBps"] == pytest.approx(a["algbw_GBps"] * 2 * 3 / 4)
+# --8<-- [end:busbw-factor]
 
 
 def non_contiguous(rank, world_size):

@@ -43,6 +43,7 @@ def train(model, batches, sync=lambda: None, micro_batches=1, no_sync=None):
     return losses
 
 
+# --8<-- [start:ddp-worker]
 def ddp_worker(rank, world_size, variant, micro_batches):
     model = make_model()
     if rank != 0:  # the wrappers must broadcast rank 0's weights: start replicas apart
@@ -58,6 +59,7 @@ def ddp_worker(rank, world_size, variant, micro_batches):
     no_sync = ddp.no_sync if variant in ("overlapped", "torch") else None
     train(ddp, shards, sync, micro_batches, no_sync)
     return {k: v.clone() for k, v in model.state_dict().items()}
+# --8<-- [end:ddp-worker]
 
 
 def single_process(micro_batches=1):
@@ -66,6 +68,7 @@ def single_process(micro_batches=1):
     return model.state_dict()
 
 
+# --8<-- [start:assert-same]
 def assert_same(a, b):
     """Equal up to fp32 rounding, judged against how far training moved the weights.
 
@@ -78,8 +81,10 @@ def assert_same(a, b):
     moved = max((b[n] - init[n]).abs().max().item() for n in b)
     worst = max((a[n] - b[n]).abs().max().item() for n in a)
     assert worst < 1e-5 * moved, f"differs by {worst:.2e}; training moved weights {moved:.2e}"
+# --8<-- [end:assert-same]
 
 
+# --8<-- [start:equals-single-process]
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("variant", ["naive", "bucketed", "overlapped", "torch"])
 def test_ddp_equals_single_process_training(variant, world_size):
@@ -90,8 +95,10 @@ def test_ddp_equals_single_process_training(variant, world_size):
     for state in results[1:]:  # replicas identical to each other, bit for bit
         for name in state:
             assert torch.equal(state[name], results[0][name]), name
+# --8<-- [end:equals-single-process]
 
 
+# --8<-- [start:bit-for-bit]
 @pytest.mark.parametrize("variant", ["naive", "bucketed", "overlapped"])
 def test_two_ranks_match_torch_ddp_bit_for_bit(variant):
     # With two ranks each all-reduce adds exactly two numbers, and a + b == b + a in floating
@@ -99,14 +106,17 @@ def test_two_ranks_match_torch_ddp_bit_for_bit(variant):
     ours, theirs = spawn(ddp_worker, 2, variant, 1), spawn(ddp_worker, 2, "torch", 1)
     for name in theirs[0]:
         assert torch.equal(ours[0][name], theirs[0][name]), name
+# --8<-- [end:bit-for-bit]
 
 
+# --8<-- [start:no-sync]
 @pytest.mark.parametrize("world_size", [2])
 def test_overlapped_no_sync_accumulation_equals_torch_ddp(world_size):
     ours = spawn(ddp_worker, world_size, "overlapped", 2)
     theirs = spawn(ddp_worker, world_size, "torch", 2)
     assert_same(ours[0], theirs[0])
     assert_same(ours[0], single_process(micro_batches=1))
+# --8<-- [end:no-sync]
 
 
 def unused_parameter(rank, world_size):

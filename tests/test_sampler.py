@@ -8,6 +8,7 @@ from torch.utils.data import DistributedSampler
 from snippets.scratch.sampler import ShardedSampler
 
 
+# --8<-- [start:same-indices]
 @pytest.mark.parametrize("dataset_len", [1, 3, 10, 11, 64])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("shuffle, drop_last", list(itertools.product([True, False], repeat=2)))
@@ -23,6 +24,7 @@ def test_same_indices_as_torch(dataset_len, world_size, shuffle, drop_last):
             theirs.set_epoch(epoch)
             assert list(ours) == list(theirs), (rank, epoch)
             assert len(ours) == len(theirs)
+# --8<-- [end:same-indices]
 
 
 def test_shards_cover_the_dataset_without_overlap_when_divisible():

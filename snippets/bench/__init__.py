@@ -8,4 +8,6 @@ Compare numbers as ratios taken in the same run: absolute times on shared machin
 BENCHMARKS = [
     "snippets.bench.matmul",
     "snippets.bench.train_throughput",
+    "snippets.bench.ddp_step_time",
+    "snippets.bench.allreduce_bandwidth",
 ]

@@ -21,10 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 
+# --8<-- [start:broadcast]
 def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
     """Make every replica start from rank `src`'s weights (and buffers)."""
     for tensor in [*module.parameters(), *module.buffers()]:
         dist.broadcast(tensor.data, src)
+# --8<-- [end:broadcast]
 
 
 # --8<-- [start:naive]

@@ -1,0 +1,141 @@
+"""Hugging Face Accelerate on 2 CPU processes: the launch that works, the ones that do not.
+
+Every test starts the real `accelerate launch` in a subprocess, with HOME and HF_HOME in a
+temporary folder so no user config (~/.cache/huggingface/accelerate/default_config.yaml) is read,
+and every option the launcher would otherwise take from that config given on the command line.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, free_port
+
+SCRIPT = "snippets/training/accelerate_train.py"
+ACCELERATE = Path(sys.executable).parent / "accelerate"
+STEPS = "3"
+
+
+def accelerate_launch(tmp_path: Path, launch_args: list[str], *script_args: str,
+                      extra_env: dict | None = None) -> subprocess.CompletedProcess:
+    home = tmp_path / "home"
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("ACCELERATE_") and k not in {"RANK", "WORLD_SIZE", "LOCAL_RANK"}}
+    env.update(HOME=str(home), HF_HOME=str(home / "hf"), OMP_NUM_THREADS="1", **(extra_env or {}))
+    return subprocess.run(
+        [str(ACCELERATE), "launch", *launch_args, "--num_machines", "1", "--mixed_precision", "no",
+         "--dynamo_backend", "no", "--main_process_port", str(free_port()), SCRIPT,
+         "--steps", STEPS, "--state-dir", str(tmp_path / "state"), *script_args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def processes(out: str) -> list[tuple[str, int, int, bool]]:
+    """(launcher RANK, accelerate process index, accelerate process count, is main) per process."""
+    return sorted((r, int(i), int(n), m == "True") for r, i, n, m in re.findall(
+        r"launcher RANK=(\S+) -> accelerate process (\d+) of (\d+), main process: (\w+)", out))
+
+
+def first_batches(out: str) -> list[list[int]]:
+    return [[int(x) for x in batch.split(", ")]
+            for batch in re.findall(r"first batch: examples \[(.*?)\]", out)]
+
+
+def final_checksums(out: str) -> list[float]:
+    return [float(x) for x in re.findall(r"final checksum (\S+)", out)]
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The launch that works: --multi_gpu starts 2 processes, Accelerator(cpu=True) joins them."""
+    tmp = tmp_path_factory.mktemp("two")
+    result = accelerate_launch(tmp, ["--multi_gpu", "--num_processes", "2"], "--cpu")
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result, tmp
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """`accelerate launch --cpu --num_processes 2`: starts a single process."""
+    tmp = tmp_path_factory.mktemp("one")
+    result = accelerate_launch(tmp, ["--cpu", "--num_processes", "2"])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data(two_processes):
+    result, tmp = two_processes
+    out = result.stdout
+    assert processes(out) == [("0", 0, 2, True), ("1", 1, 2, False)]
+    assert "MULTI_CPU: 2 processes, backend gloo" in out
+    assert "model -> DistributedDataParallel" in out
+    assert "577 batches -> 288 per process" in out  # each process loads half the batches
+    batch0, batch1 = first_batches(out)
+    assert not set(batch0) & set(batch1)  # different examples: the loader is sharded
+    assert out.count("replicas in sync: True") == int(STEPS)
+    sums = final_checksums(out)
+    assert len(sums) == 2 and sums[0] == sums[1]  # exactly equal: DDP averaged every gradient
+    saved = sorted(p.name for p in (tmp / "state").iterdir())
+    assert saved == ["model.safetensors", "optimizer.bin", "random_states_0.pkl",
+                     "random_states_1.pkl"]
+
+
+def test_accelerate_use_cpu_env_is_the_same_fix_as_cpu_true(tmp_path, two_processes):
+    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"],
+                               extra_env={"ACCELERATE_USE_CPU": "1"})  # and no --cpu flag
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "MULTI_CPU: 2 processes, backend gloo" in result.stdout
+    assert final_checksums(result.stdout) == final_checksums(two_processes[0].stdout)
+
+
+def test_cpu_flag_of_accelerate_launch_starts_a_single_process(one_process):
+    out = one_process.stdout
+    assert processes(out) == [("-", 0, 1, True)]  # no RANK: not even a distributed launch
+    assert "NO: 1 processes" in out
+    assert len(final_checksums(out)) == 1
+
+
+def test_multi_gpu_with_a_plain_accelerator_on_cpu_is_refused(tmp_path):
+    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"])
+    assert result.returncode != 0
+    assert ("IndependentCopiesError: the launcher started 2 processes (WORLD_SIZE=2), but "
+            "Accelerate sees num_processes=1, distributed_type=NO in each") in result.stderr
+    assert "Accelerator(cpu=True)" in result.stderr and "ACCELERATE_USE_CPU=1" in result.stderr
+    assert "step" not in result.stdout  # refused before training
+
+
+def test_the_trap_trains_two_copies_of_a_one_process_run(tmp_path, one_process, two_processes):
+    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"],
+                               "--allow-independent")
+    assert result.returncode == 0, result.stderr[-3000:]
+    out = result.stdout
+    # Two processes, each believing it is process 0 of 1, and the main process.
+    assert processes(out) == [("0", 0, 1, True), ("1", 0, 1, True)]
+    batch0, batch1 = first_batches(out)
+    assert batch0 == batch1  # the same examples: nothing is sharded
+    # Both are "the main process": the script refuses to let both write the same files.
+    assert out.count("not saving") == 2 and not (tmp_path / "state").exists()
+    # Each copy ends exactly where a single process ends, and nowhere near the real 2-process run:
+    # the second process added nothing but a duplicate.
+    single = final_checksums(one_process.stdout)[0]
+    assert final_checksums(out) == [single, single]
+    assert single != final_checksums(two_processes[0].stdout)[0]
+
+
+def test_a_multi_cpu_config_file_also_starts_a_single_process(tmp_path):
+    config = tmp_path / "multi_cpu.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_CPU\n"
+                      "num_machines: 1\nnum_processes: 2\nmachine_rank: 0\nuse_cpu: true\n")
+    result = accelerate_launch(tmp_path, ["--config_file", str(config)])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert processes(result.stdout) == [("-", 0, 1, True)]
+
+
+def test_multi_gpu_and_cpu_flags_together_are_rejected(tmp_path):
+    result = accelerate_launch(tmp_path, ["--multi_gpu", "--cpu", "--num_processes", "2"])
+    assert result.returncode != 0
+    assert "You can only use one of `--cpu`, `--multi_gpu`" in result.stderr
