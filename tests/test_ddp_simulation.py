@@ -64,3 +64,26 @@ def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path)
     # step of every run, so the resumed run sums some gradients in a different order.
     a, b = final_loss(tmp_path / "a" / "logs" / "rank_0" / "train.log"), final_loss(log_b)
     assert abs(a - b) < 1e-4, (a, b)
+
+
+def test_grad_norm_is_measured_before_and_after_the_average(tmp_path):
+    result = torchrun(tmp_path, "--steps", "2", "--grad-norm", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    pattern = r"step\s+(\d+) .* grad norm local (\S+) synced (\S+)"
+    runs = [re.findall(pattern, (tmp_path / "logs" / f"rank_{r}" / "train.log").read_text())
+            for r in range(2)]
+    assert len(runs[0]) == len(runs[1]) == 2
+    for (_, local_0, synced_0), (_, local_1, synced_1) in zip(*runs):
+        assert synced_0 == synced_1  # after the all-reduce every rank holds the same gradient
+        assert local_0 != local_1  # before it, each rank had its own batch's gradient
+        # The norm of an average is at most the average of the norms (triangle inequality).
+        assert float(synced_0) <= (float(local_0) + float(local_1)) / 2 + 1e-4
+
+
+def test_steps_per_epoch_and_tokens_per_step_follow_the_world_size(tmp_path):
+    result = torchrun(tmp_path, "--steps", "1", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    log = (tmp_path / "logs" / "rank_1" / "train.log").read_text()
+    # 4616 windows / 2 ranks = 2308 per rank; 2308 // 8 = 288 steps; 8 x 2 x 64 tokens per step.
+    assert "shard: 2308 of 4616 examples" in log
+    assert "288 steps per epoch; a step trains on 8 sequences x 2 ranks x 64 tokens = 1,024 tokens" in log

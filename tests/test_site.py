@@ -62,6 +62,15 @@ def test_session_a_demo_resumes_exactly(built_site: Path):
     assert "widget-view" not in html  # a progress-bar widget would need JavaScript from a CDN
 
 
+def test_session_b_demo_shows_sharding_and_sync(built_site: Path):
+    html = (built_site / "lessons" / "session_b_demo" / "index.html").read_text()
+    # The page's claims, printed by its own torchrun runs.
+    assert "overlap between shards: 0 examples; covered: 4616 of 4616" in html
+    assert "final checksums identical on all ranks: True" in html
+    assert "replicas in sync: False" in html  # the --no-sync run
+    assert html.count("data:image/png;base64,") >= 2  # the loss and checksum figures
+
+
 def write_site(tmp: Path, page: str) -> Path:
     docs = tmp / "docs"
     docs.mkdir(parents=True)

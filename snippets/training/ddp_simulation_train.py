@@ -8,6 +8,8 @@ on a GPU machine). Watch for:
 - data sharding: DistributedSampler gives each rank a different slice of every epoch;
 - gradient synchronisation: after every step the ranks' parameter checksums are equal;
   with --no-sync they drift apart, because each rank trains on its own data alone;
+- rank metrics: each rank logs its own loss and speed; --grad-norm adds its gradient norm
+  before and after the all-reduce;
 - failure: --fail-rank 2 --fail-step 5 kills rank 2; torchrun stops the job and names the rank,
   or with --max-restarts=1 restarts every worker, which resume from the last checkpoint.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Dataset
 
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     p.add_argument("--fail-rank", type=int, default=None, help="rank that crashes on purpose")
     p.add_argument("--fail-step", type=int, default=None, help="step at which it crashes")
     p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
+    p.add_argument("--grad-norm", action="store_true",
+                   help="also log each rank's gradient norm before and after synchronisation")
     return p.parse_args(argv)
 
 
@@ -91,6 +96,37 @@ def parameter_checksums(model: torch.nn.Module) -> list[float]:
 # --8<-- [end:checksums]
 
 
+# --8<-- [start:grad-norm]
+class LocalGradNorm:
+    """Each rank's own gradient norm, measured before DDP averages it.
+
+    DDP averages the gradients inside backward(), bucket by bucket, so by the time backward
+    returns the local gradient is gone. A communication hook sees every bucket just before
+    its all-reduce: add up the bucket's squares there, then hand it to DDP's usual averaging.
+    """
+
+    def __init__(self):
+        self.sum_of_squares = 0.0  # becomes a tensor on the gradients' device
+
+    def hook(self, state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        # Stays on the device: .item() or .cpu() here would stall backward at every bucket.
+        self.sum_of_squares = self.sum_of_squares + bucket.buffer().double().pow(2).sum()
+        return default_hooks.allreduce_hook(state, bucket)  # state None: the default group
+
+    def pop(self) -> float:
+        """This step's local norm (one copy to the host, after backward); reset for the next."""
+        norm, self.sum_of_squares = float(self.sum_of_squares) ** 0.5, 0.0
+        return norm
+
+
+def grad_norm(model: torch.nn.Module) -> float:
+    """The norm of all gradients as they are now: after backward() with DDP, the averaged one."""
+    return torch.linalg.vector_norm(
+        torch.stack([p.grad.double().norm() for p in model.parameters() if p.grad is not None])
+    ).item()
+# --8<-- [end:grad-norm]
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     env = init_from_env(timeout_s=args.timeout)
@@ -109,12 +145,17 @@ def main(argv=None) -> None:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     log.info(f"shard: {len(sampler)} of {len(dataset)} examples; epoch 0 starts with "
              f"examples {list(sampler)[:4]}")
+    log.info(f"{len(loader)} steps per epoch; a step trains on {args.batch_size} sequences x "
+             f"{world} ranks x {context} tokens = {args.batch_size * world * context:,} tokens")
     # --8<-- [end:sharding]
 
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts)
     model = GPT(config)
     if not args.no_sync:
         model = DistributedDataParallel(model)  # gradients are averaged inside backward()
+    local_norm = LocalGradNorm() if args.grad_norm and not args.no_sync else None
+    if local_norm:
+        model.register_comm_hook(None, local_norm.hook)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     step = 0
@@ -150,9 +191,14 @@ def main(argv=None) -> None:
             dist.all_reduce(mean_loss)  # the global batch's loss, for logging only
             sums = parameter_checksums(unwrap_model(model))
             tokens_per_s = inputs.numel() / (time.perf_counter() - start)
+            norms = ""
+            if args.grad_norm:  # with --no-sync nothing is averaged: local is all there is
+                local = local_norm.pop() if local_norm else grad_norm(model)
+                norms = f" | grad norm local {local:.4f} synced {grad_norm(model):.4f}"
             log.info(f"step {step:3d} | local loss {loss.item():.4f} | global loss "
                      f"{mean_loss.item() / world:.4f} | {tokens_per_s:,.0f} tokens/s | "
-                     f"replicas in sync: {len(set(sums)) == 1} | checksum {sums[rank]:.6f}")
+                     f"replicas in sync: {len(set(sums)) == 1} | checksum {sums[rank]:.6f}"
+                     f"{norms}")
             if step % args.ckpt_every == 0 or step == args.steps:
                 if rank == 0:  # one copy is enough: all replicas are identical
                     save_checkpoint(args.ckpt, {"model": unwrap_model(model).state_dict(),
