@@ -46,7 +46,9 @@ def first_batches(out: str) -> list[list[int]]:
 
 
 def final_checksums(out: str) -> list[float]:
-    return [float(x) for x in re.findall(r"final checksum (\S+)", out)]
+    # Exactly the 6 decimals printed: two processes share stdout, and another's text can follow
+    # a number without a line break.
+    return [float(x) for x in re.findall(r"final checksum (-?\d+\.\d{6})", out)]
 
 
 @pytest.fixture(scope="module")
