@@ -23,11 +23,14 @@ import hashlib
 import json
 import logging
 import os
+import random
 import re
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 import torch
 
@@ -271,3 +274,40 @@ class CheckpointManager:
         raise CheckpointError(f"all {len(found)} checkpoints in {self.directory} are damaged:\n  "
                               + "\n  ".join(problems))
     # --8<-- [end:load-latest]
+
+
+# Random-number state: a resumed run must draw the same numbers an unbroken run would have.
+# --8<-- [start:seed]
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds the CPU generator and every CUDA/MPS device too
+# --8<-- [end:seed]
+
+
+# --8<-- [start:rng-state]
+def capture_rng_state() -> dict:
+    """Every global RNG as tensors/lists, so the checkpoint loads with weights_only=True."""
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),  # a tuple of ints
+        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        state["mps"] = torch.mps.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "mps" in state and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["mps"])
+# --8<-- [end:rng-state]

@@ -39,14 +39,15 @@ from snippets.dist import init_from_env
 from snippets.machine import pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
-from snippets.training.checkpoint import CheckpointError, unwrap_model
-from snippets.training.checkpoint import load_checkpoint as load_verified
-from snippets.training.checkpoint import save_checkpoint as save_atomic
-from snippets.training.train_tiny_transformer import (
+from snippets.training.checkpoint import (
+    CheckpointError,
     capture_rng_state,
     restore_rng_state,
     seed_everything,
+    unwrap_model,
 )
+from snippets.training.checkpoint import load_checkpoint as load_verified
+from snippets.training.checkpoint import save_checkpoint as save_atomic
 
 
 # --8<-- [start:train-config]

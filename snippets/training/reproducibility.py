@@ -32,7 +32,8 @@ from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.train_tiny_transformer import parse_args, seed_everything, train
+from snippets.training.checkpoint import seed_everything
+from snippets.training.train_tiny_transformer import parse_args, train
 
 
 # --8<-- [start:same-seed]

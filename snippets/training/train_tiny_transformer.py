@@ -20,12 +20,10 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from snippets.data.corpus import DataError
@@ -38,7 +36,14 @@ from snippets.data.dataset import (
 from snippets.data.tokenizer import ByteTokenizer
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
-from snippets.training.checkpoint import CheckpointError, CheckpointManager, unwrap_model
+from snippets.training.checkpoint import (
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    restore_rng_state,
+    seed_everything,
+    unwrap_model,
+)
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "models" / "config.json"
 
@@ -119,40 +124,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 
-# --8<-- [start:seed]
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)  # seeds the CPU generator and every CUDA/MPS device too
-# --8<-- [end:seed]
-
-
-# --8<-- [start:rng-state]
-def capture_rng_state() -> dict:
-    """Every global RNG as tensors/lists, so the checkpoint loads with weights_only=True."""
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),  # a tuple of ints
-        "numpy": [np_state[0], np_state[1].tolist(), *np_state[2:]],
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    if torch.backends.mps.is_available():
-        state["mps"] = torch.mps.get_rng_state()
-    return state
-
-
-def restore_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    name, keys, *rest = state["numpy"]
-    np.random.set_state((name, np.array(keys, dtype=np.uint32), *rest))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "mps" in state and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(state["mps"])
-# --8<-- [end:rng-state]
 
 
 # --8<-- [start:lr-schedule]
