@@ -57,3 +57,13 @@ def test_scratch_uses_only_distributed_primitives():
         str(path.relative_to(ROOT)): v for path in scratch if (v := violations(path.read_text()))
     }
     assert not problems, f"snippets/scratch/ must use torch.distributed primitives only: {problems}"
+
+
+def test_scratch_does_not_even_name_the_library_classes():
+    # Stricter than the import check: a docstring that names the class invites copying it, and
+    # a reader skimming the file should not have to work out that it is only mentioned.
+    named = [f"{path.relative_to(ROOT)}:{n}: {bad}"
+             for path in sorted((ROOT / "snippets" / "scratch").glob("*.py"))
+             for n, line in enumerate(path.read_text().splitlines(), 1)
+             for bad in FORBIDDEN if bad in line]
+    assert not named, "\n".join(named)

@@ -8,7 +8,7 @@ is the whole trick. The three versions differ only in *how* they average the gra
 2. BucketedDDP: after backward, gradients packed into ~25 MB buckets, one all-reduce per bucket.
 3. OverlappedDDP: buckets are all-reduced *during* backward, as soon as their gradients are
    ready, so communication hides behind the rest of the backward pass (what
-   torch.nn.parallel.DistributedDataParallel does).
+   PyTorch's own DDP wrapper does).
 
 Only torch.distributed primitives are used (broadcast, all_reduce); tests/test_ddp_scratch.py
 checks each version against single-process training and against torch's DDP.
