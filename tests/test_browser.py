@@ -135,3 +135,72 @@ def test_search_math_diagrams_and_no_outside_requests(browser_page, site_url, tm
     assert not outside, "requests to non-loopback hosts:\n" + "\n".join(outside)
     assert len(requests) > 10  # the recorder saw the site's own requests
     assert not errors, f"JavaScript errors: {errors}"
+
+
+# Sample configurations for the calculator: (model, cluster, plan overrides).
+CALCULATOR_SAMPLES = [
+    ("tiny", "This course's 2-core CPU (gloo)", dict(dp=2, precision="fp32", seq_len=64)),
+    ("small", "This course's 2-core CPU (gloo)", dict(dp=1, pp=2, micro_batches=4, seq_len=128,
+                                                      precision="fp32", schedule="gpipe")),
+    ("llama-7b", "H100 SXM, 8 per node, InfiniBand 400 Gb/s", dict(dp=8, zero_stage=3)),
+    ("llama-13b", "A100 SXM 80GB, 8 per node, InfiniBand 200 Gb/s",
+     dict(dp=4, tp=2, zero_stage=2, recompute=True)),
+    ("llama-70b", "H100 SXM, 8 per node, InfiniBand 400 Gb/s",
+     dict(dp=16, tp=8, pp=4, zero_stage=1, micro_batches=16)),
+    ("llama-405b", "H100 SXM, 8 per node, InfiniBand 400 Gb/s",
+     dict(dp=8, tp=8, pp=9, zero_stage=1, micro_batches=32, precision="fp8", recompute=True)),
+]
+
+
+def calculator_plan(**overrides):
+    base = dict(dp=1, tp=1, pp=1, zero_stage=0, precision="bf16", recompute=False,
+                micro_batch_size=1, micro_batches=8, seq_len=2048, schedule="1f1b", mfu=0.4)
+    return {**base, **overrides}
+
+
+def assert_same_numbers(js, py, path="result"):
+    if isinstance(py, dict):
+        assert set(js) == set(py), path
+        for key in py:
+            assert_same_numbers(js[key], py[key], f"{path}.{key}")
+    elif isinstance(py, bool):
+        assert js is py, path
+    else:  # the same double-precision arithmetic in the same order: equal to rounding
+        assert js == pytest.approx(py, rel=1e-12, abs=1e-300), path
+
+
+def test_calculator_runs_the_python_cost_model_offline(browser_page, site_url):
+    from snippets.planner import cost_model
+
+    page, requests, errors = browser_page
+    page.goto(site_url + "reference/calculator/")
+    page.locator("#planner-calculator [data-out='step']").wait_for()
+    for model, cluster, overrides in CALCULATOR_SAMPLES:
+        plan = calculator_plan(**overrides)
+        expected = cost_model.plan_training(cost_model.MODELS[model], plan,
+                                            cost_model.CLUSTERS[cluster])
+        got = page.evaluate(
+            "([m, p, c]) => PlannerModel.plan_training(PlannerModel.MODELS[m], p, "
+            "PlannerModel.CLUSTERS[c])", [model, plan, cluster])
+        assert_same_numbers(got, expected, f"{model} {overrides}")
+
+    # The form: 70B with 3 pipeline stages is refused with the model's own message ...
+    page.select_option("#planner-model", "llama-70b")
+    page.fill("#planner-pp", "3")
+    page.locator("[data-out='error']").wait_for()
+    assert "num_hidden_layers=80 does not divide into pp=3" in page.inner_text("[data-out='error']")
+    # ... and a valid layout shows the Python's numbers.
+    for key, value in dict(dp=16, tp=8, pp=4, micro_batches=16).items():
+        page.fill(f"#planner-{key}", str(value))
+    page.select_option("#planner-zero_stage", "1")
+    expected = cost_model.plan_training(
+        cost_model.MODELS["llama-70b"], calculator_plan(dp=16, tp=8, pp=4, zero_stage=1,
+                                                        micro_batches=16),
+        cost_model.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"])
+    assert page.inner_text("[data-out='gpus']") == "512"
+    assert page.inner_text("[data-out='memory']") == f"{expected['memory_bytes']['total'] / 1e9:.2f} GB"
+    assert page.inner_text("[data-out='tokens_per_s']") == f"{round(expected['tokens_per_s']):,}"
+    assert page.inner_text("[data-out='fits']").startswith("yes")
+    assert not errors, f"JavaScript errors: {errors}"
+    assert all(urlparse(u).hostname in LOOPBACK_HOSTS for u in requests
+               if not u.startswith(("data:", "blob:")))

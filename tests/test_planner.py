@@ -1,0 +1,123 @@
+"""The scale planner's cost model against the course's own model and measurements, and against
+published figures."""
+
+import pytest
+import torch
+
+from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
+from snippets.planner import cost_model as cm
+from snippets.planner.flops import training_flops_per_token
+from snippets.planner.memory import measure_activation_bytes
+from snippets.planner.to_js import Unsupported, translate
+
+COURSE_MODELS = ["tiny", "small", "medium", "gpt2-small"]
+
+
+def plan(**overrides):
+    base = dict(dp=1, tp=1, pp=1, zero_stage=0, precision="fp32", recompute=False,
+                micro_batch_size=1, micro_batches=1, seq_len=64, schedule="1f1b", mfu=0.5)
+    return {**base, **overrides}
+
+
+def as_config(model: dict, **extra) -> GPTConfig:
+    kwargs = {k: v for k, v in model.items() if k != "num_key_value_heads"}
+    return GPTConfig(**kwargs, **extra)
+
+
+@pytest.mark.parametrize("name", COURSE_MODELS)
+def test_presets_are_the_course_configs_and_count_parameters_exactly(name):
+    model = cm.MODELS[name]
+    config = get_config(name)
+    assert as_config(model, max_position_embeddings=config.max_position_embeddings) == config
+    with torch.device("meta"):  # shapes only: no memory, no initialisation
+        gpt = GPT(config)
+    assert cm.parameter_count(model) == gpt.num_parameters()  # exact: the same tensors
+    assert cm.training_flops_per_token(model, 128) == training_flops_per_token(config, 128)
+
+
+def test_llama_parameter_counts_match_the_published_checkpoints():
+    # Parameter counts of the released Llama 2 checkpoints (7B, 13B, 70B with 8 KV heads).
+    assert cm.parameter_count(cm.MODELS["llama-7b"]) == 6_738_415_616
+    assert cm.parameter_count(cm.MODELS["llama-13b"]) == 13_015_864_320
+    assert cm.parameter_count(cm.MODELS["llama-70b"]) == 68_976_648_192
+
+
+def test_zero_paper_figure_1_model_state_per_device():
+    # ZeRO paper, Figure 1: Psi = 7.5B parameters, N_d = 64 devices, mixed-precision Adam (K=12):
+    # 120 GB baseline, 31.4 GB (P_os), 16.6 GB (P_os+g), 1.9 GB (P_os+g+p).
+    psi = 7.5e9
+    expected_gb = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
+    for stage, gb in expected_gb.items():
+        total = cm.sharded_state_bytes(psi, "bf16", stage, 64)["total"]
+        assert total / 1e9 == pytest.approx(gb, abs=0.05), stage  # the paper rounds to 0.1 GB
+    assert cm.sharded_state_bytes(1, "bf16", 0, 1)["total"] == 16  # 16 bytes per parameter
+
+
+# --8<-- [start:activation-test]
+@pytest.mark.parametrize("recompute", [False, True])
+def test_activation_model_matches_saved_tensors_of_the_real_model(recompute):
+    # The planner's per-tensor count against every tensor autograd really saves (fp32, one
+    # micro-batch). Within 2%: the model leaves out a few scalars and the int64 index tensors'
+    # exact count; the issue's target is 10%.
+    model = dict(cm.MODELS["small"])
+    config = as_config(model, max_position_embeddings=64, gradient_checkpointing=recompute)
+    torch.manual_seed(0)
+    gpt = GPT(config).train()
+    tokens = torch.randint(0, config.vocab_size, (4, 65))
+    measured = measure_activation_bytes(gpt, *shift_for_next_token(tokens))
+    predicted = cm.activation_bytes(model, plan(micro_batch_size=4, seq_len=64,
+                                                recompute=recompute))
+    assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
+# --8<-- [end:activation-test]
+
+
+def test_pipeline_in_flight_micro_batches_and_bubble():
+    model = cm.MODELS["medium"]  # 6 layers
+    gpipe = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="gpipe"))
+    one_f_one_b = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="1f1b"))
+    assert gpipe / one_f_one_b == pytest.approx(8 / 3)
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    r = cm.plan_training(model, plan(pp=3, micro_batches=8), cluster)
+    assert r["bubble_fraction"] == pytest.approx(2 / 10)
+
+
+def test_zero_stages_shrink_memory_and_zero3_costs_one_and_a_half_times_the_traffic():
+    model = cm.MODELS["llama-7b"]
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    runs = [cm.plan_training(model, plan(dp=8, zero_stage=s, precision="bf16", seq_len=2048),
+                             cluster) for s in range(4)]
+    totals = [r["memory_bytes"]["total"] for r in runs]
+    assert totals == sorted(totals, reverse=True)
+    assert runs[3]["time_s"]["data_parallel"] == pytest.approx(
+        1.5 * runs[0]["time_s"]["data_parallel"])
+    assert not runs[0]["fits"] and runs[3]["fits"]  # 7B with plain DP: 108 GB of state alone
+
+
+def test_ring_collective_times_follow_the_alpha_beta_model():
+    link = {"alpha": 1e-5, "beta": 1e9}
+    # 2(N-1) messages of size/N: latency-bound for small messages, 2(N-1)/N x size / beta for big
+    assert cm.ring_all_reduce_time(0, 8, link) == pytest.approx(14e-5)
+    assert cm.ring_all_reduce_time(8e9, 8, link) == pytest.approx(14e-5 + 14.0)
+    assert cm.ring_all_gather_time(8e9, 8, link) == pytest.approx(7e-5 + 7.0)
+    assert cm.ring_all_reduce_time(8e9, 1, link) == 0
+
+
+@pytest.mark.parametrize("change,field", [
+    (dict(pp=5), "num_hidden_layers=32 does not divide into pp=5"),
+    (dict(tp=16), "tp=16"),
+    (dict(dp=0), "dp=0 must be a whole number"),
+    (dict(precision="fp4"), "precision=fp4"),
+    (dict(zero_stage=4), "zero_stage=4"),
+])
+def test_bad_plans_name_the_field(change, field):
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    with pytest.raises(cm.PlannerError, match=field.replace("(", r"\(")):
+        cm.plan_training(cm.MODELS["llama-7b"], plan(**change), cluster)
+
+
+def test_translator_refuses_python_it_cannot_mirror():
+    translate("def f(x):\n    return x // 2 + max(x, 1)\n")
+    with pytest.raises(Unsupported, match="line 2: While"):
+        translate("def f(x):\n    while x:\n        x = x - 1\n    return x\n")
+    with pytest.raises(Unsupported, match="format specification"):
+        translate("def f(x):\n    return f'{x:.2f}'\n")
