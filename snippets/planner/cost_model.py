@@ -298,16 +298,23 @@ def plan_training(model, plan, cluster):
     pipeline_time = (m + p - 1) * slot
     bubble = (p - 1) / (m + p - 1)
 
-    # Data parallelism over the outermost dimension: gradients once per step (all-reduce, or
-    # reduce-scatter + all-gather under ZeRO-1/2: the same bytes); ZeRO-3 adds a second
-    # all-gather of the weights in backward: 1.5x. Backward of the last micro-batch (2/3 of its
-    # compute) hides that much of it, as DDP's bucketed overlap does.
+    # Data parallelism over the outermost dimension. Gradients are synchronised once per step:
+    # an all-reduce, or under ZeRO-1/2 a reduce-scatter plus an all-gather of the updated
+    # weights, the same bytes. DDP-style overlap hides it behind the last micro-batch's backward
+    # (2/3 of its compute). ZeRO-3 reduce-scatters the gradients once (half an all-reduce) but
+    # all-gathers the weights before every micro-batch's forward and again in its backward (one
+    # all-reduce's bytes per micro-batch: 1.5x DDP for m = 1); prefetching hides the gathers
+    # behind all of the compute.
     dp_link = link(cluster, gpus > cluster["gpus_per_node"])
     gradient_bytes = state["parameters"] * PRECISIONS[plan["precision"]]["gradients"]
-    dp_time = ring_all_reduce_time(gradient_bytes, plan["dp"], dp_link)
+    all_reduce = ring_all_reduce_time(gradient_bytes, plan["dp"], dp_link)
     if plan["zero_stage"] == 3:
-        dp_time = dp_time * 1.5
-    exposed_dp = max(0, dp_time - 2 / 3 * compute_per_micro_batch)
+        dp_time = all_reduce / 2 + m * all_reduce
+        hidden = m * compute_per_micro_batch
+    else:
+        dp_time = all_reduce
+        hidden = 2 / 3 * compute_per_micro_batch
+    exposed_dp = max(0, dp_time - hidden)
 
     step_time = pipeline_time + exposed_dp
     tokens_per_step = tokens_per_micro_batch * m * plan["dp"]
