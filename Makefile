@@ -26,7 +26,11 @@ $(STAMP): pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	# torch first and pinned: an unpinned torch would pull several GB of CUDA wheels.
 	$(PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
-	$(PY) -m pip install --quiet -c constraints.txt -e '.[site,test]'
+	# DS_BUILD_OPS=0: DeepSpeed installs without compiling its C++/CUDA ops (it would need nvcc).
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet -c constraints.txt -e '.[site,test]'
+	# On the CPU, DeepSpeed compiles one op (shared-memory collectives) when the first job starts,
+	# about a minute on 2 cores; build it now, into build/torch_extensions, instead of in a test.
+	$(PY) -m snippets.cluster.deepspeed.train_deepspeed --prebuild-ops
 	touch $(STAMP)
 
 serve: $(STAMP)
@@ -35,8 +39,13 @@ serve: $(STAMP)
 build: $(STAMP)
 	LESSON_CACHE=false $(VENV)/bin/mkdocs build --strict
 
+# Two pytest workers: many tests wait on process start-up and rendezvous rather than compute, so
+# two run side by side on 2 cores. Each file stays on one worker, in order (tests/conftest.py).
+# TEST_WORKERS=0 runs everything in one process.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
 
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda

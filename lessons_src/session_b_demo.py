@@ -127,7 +127,7 @@ print(f"overlap between shards: {sum(map(len, shards)) - len(everything)} exampl
 
 # %% [markdown]
 # The first four indices match what each rank logged. With 4,616 = 4 × 1,154 nothing had to
-# be dropped or repeated; [Lab 2](../workshop/session-b/lab-2.md) shows what happens when the
+# be dropped or repeated; [Lab 2](../../workshop/session-b/lab-2/) shows what happens when the
 # dataset does not divide by the world size.
 #
 # ## Local loss, global loss
@@ -225,7 +225,7 @@ print(f"\nfinal checksums identical on all ranks: {len({runs[r][-1]['checksum'] 
 # Identical starting weights plus identical updates give identical weights, which is the
 # whole of data parallelism. `DistributedDataParallel` did the exchange inside
 # `loss.backward()`: it averaged each bucket of gradients across the four processes with an
-# all-reduce as soon as backward had produced it (the [slides](../workshop/session-b/slides.md)
+# all-reduce as soon as backward had produced it (the [slides](../../workshop/session-b/slides/)
 # build that all-reduce from messages between neighbours).
 #
 # The tokens/s each rank logs are per rank: four workers on two shared cores each run at a
@@ -302,7 +302,7 @@ for i, gap in enumerate(spread(unsynced), 1):
 #
 # ## Further reading
 #
-# - [Lab 2. World size, failures, samplers](../workshop/session-b/lab-2.md): change the world
+# - [Lab 2. World size, failures, samplers](../../workshop/session-b/lab-2/): change the world
 #   size, add a metric per rank, crash rank 2 on purpose, and test the sampler's padding.
 # - PyTorch, *torchrun (Elastic Launch)*: the environment variables and the restart behaviour.
 # - PyTorch, *Getting started with Distributed Data Parallel*, and Li et al., *PyTorch

@@ -96,7 +96,10 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 
     # forkserver: a server process imports torch once; each rank is forked from it in
     # milliseconds instead of importing torch again (seconds per rank with plain "spawn").
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    # The first backward pass in a process imports sympy (via symbolic_shapes): about 2.5 s of
+    # CPU per rank unless the server has imported it already.
+    ctx.set_forkserver_preload(["torch", "torch.distributed",
+                                "torch.fx.experimental.symbolic_shapes"])
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -49,6 +49,7 @@ RUN_LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "
 DATA_LANGS = {"json", "yaml", "yml", "toml"}
 SHOWN_LANGS = {"text", "mermaid", "markdown", "md"}
 TIMEOUT_S = int(os.environ.get("CODEBLOCK_TIMEOUT", "600"))
+IMPORTED: set = set()  # (module, mtime) pairs whose import already succeeded this session
 INCLUDE = re.compile(r"""^\s*-{1,}8<-{1,}\s+["']([^"']+)["']\s*$""")
 OUTPUT_TAIL = 6000  # characters of stdout/stderr shown for a failing block
 
@@ -57,7 +58,7 @@ _KIND: dict[str, str] = {}
 _WHERE: dict[str, tuple] = {}
 _OUTCOMES: dict[str, str] = {}
 _SKIPS: dict[str, tuple] = {}
-_SHOWN: list[str] = []
+_SHOWN: set[str] = set()
 
 
 class BlockError(Exception):
@@ -180,6 +181,7 @@ class MarkdownPage(pytest.File):
         except RuntimeError as e:
             raise BlockError(f"{where}: {e}") from None
 
+        shown, items = [], []
         for block in blocks:
             lang = language(block.syntax)
             marks = [eval(m, {"sys": sys, "os": os, "pytest": pytest}) for m in block.marks]
@@ -197,7 +199,7 @@ class MarkdownPage(pytest.File):
             elif lang in DATA_LANGS:
                 kind = "data"
             elif lang in SHOWN_LANGS and not marks:
-                _SHOWN.append(f"{where}:{block.lineno}")
+                shown.append(f"{where}:{block.lineno}")
                 continue
             else:
                 kind = "unrunnable"
@@ -206,9 +208,14 @@ class MarkdownPage(pytest.File):
             item.where = f"{where}:{block.lineno}"
             for m in marks:
                 item.add_marker(m)
-            _KIND[item.nodeid] = kind
-            _WHERE[item.nodeid] = (str(where), block.lineno)
-            yield item
+            # Reports carry these back to the controller under pytest-xdist, which collects
+            # nothing itself.
+            item.user_properties.append(("codeblock", (kind, str(where), block.lineno)))
+            items.append(item)
+        for item in items:
+            item.user_properties.append(("codeblock_shown", shown))
+        _SHOWN.update(shown)
+        yield from items
 
 
 class CodeBlock(pytest.Item):
@@ -274,8 +281,13 @@ class CodeBlock(pytest.Item):
         for path in included_files(raw_code):
             if path.suffix == ".py":
                 module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-                run_process([sys.executable, "-c", f"import {module}"],
-                            f"{self.where} (import {module})", f"import {module}")
+                # A page often shows several parts of one module: import it once per session
+                # (a fresh process costs a torch import), unless the file changed since.
+                key = (module, path.stat().st_mtime_ns)
+                if key not in IMPORTED:
+                    run_process([sys.executable, "-c", f"import {module}"],
+                                f"{self.where} (import {module})", f"import {module}")
+                    IMPORTED.add(key)
             elif path.suffix == ".sh" or self.lang in {"bash", "sh"}:
                 run_process(["bash", "-n", str(path)], f"{self.where} (bash -n {path.name})", "")
             elif path.suffix in {".json", ".yaml", ".yml", ".toml"}:
@@ -325,8 +337,12 @@ def pytest_runtest_setup(item):
 
 
 def pytest_runtest_logreport(report):
-    if report.nodeid not in _KIND:
+    props = dict(report.user_properties)
+    if "codeblock" not in props:
         return
+    kind, page, lineno = props["codeblock"]
+    _KIND[report.nodeid], _WHERE[report.nodeid] = kind, (page, lineno)
+    _SHOWN.update(props.get("codeblock_shown", ()))
     if report.skipped:
         _OUTCOMES[report.nodeid] = "skipped"
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)

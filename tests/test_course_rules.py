@@ -2,7 +2,6 @@
 class a lesson re-implements (DESIGN.md, "The literate-code contract", rule 5)."""
 
 import ast
-from pathlib import Path
 
 from tests.conftest import ROOT
 

@@ -1,8 +1,5 @@
 """Process-group start-up: clear errors without a launcher, and no hangs when a rank dies or stalls."""
 
-import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -10,7 +7,6 @@ import torch
 import torch.distributed as dist
 
 from snippets.dist import LaunchError, read_launch_env, spawn
-from tests.conftest import ROOT
 
 
 def sum_of_ranks(rank, world_size):

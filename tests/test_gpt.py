@@ -4,7 +4,6 @@ import json
 import math
 import subprocess
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import pytest

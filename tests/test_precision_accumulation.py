@@ -21,13 +21,7 @@ from snippets.training.precision_and_accumulation import (
 )
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    # The timing-free checks run faster on one thread when other tests share the cores.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def tiny_model_and_batch(batch_size=8, seed=0):

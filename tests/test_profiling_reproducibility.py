@@ -12,13 +12,7 @@ from snippets.training import profile_step, reproducibility
 FAST = ["--config", "tiny", "--device", "cpu", "--batch-size", "4", "--steps", "2"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """As the demos' command line does: two threads crawl when other jobs share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see tests/conftest.py
 
 
 def test_profile_reports_every_phase_and_the_top_operators(tmp_path, capsys):

@@ -10,4 +10,8 @@ BENCHMARKS = [
     "snippets.bench.train_throughput",
     "snippets.bench.ddp_step_time",
     "snippets.bench.allreduce_bandwidth",
+    "snippets.bench.pipeline_bubble",
+    "snippets.bench.zero_memory",
+    "snippets.bench.tensor_parallel",
+    "snippets.cluster.scaling",
 ]

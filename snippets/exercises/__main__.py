@@ -3,8 +3,8 @@
     python -m snippets.exercises list               the exercises, and which are available
     python -m snippets.exercises stubs [--out DIR]  your copies of the files, exercises blanked
     python -m snippets.exercises hints N            what exercise N asks, and its hints
-    python -m snippets.exercises check N|all [--workspace DIR | --solutions]
-                                                    run exercise N's checks on your copy
+    python -m snippets.exercises check N|N-M|all [--workspace DIR | --solutions]
+                                                    run exercise N's (or N to M's) checks
 
 `check` exits with status 0 when every check passes and 1 otherwise.
 """
@@ -87,12 +87,14 @@ def cmd_check(args) -> int:
         return 0 if passing == len(available) else 1
 
     try:
-        number = int(args.exercise)
+        first, _, last = args.exercise.partition("-")
+        numbers = range(int(first), int(last or first) + 1)
     except ValueError:
-        raise SystemExit(f"check takes an exercise number or 'all', not {args.exercise!r}")
-    result = run_check(catalog.get(number), workspace)
-    print(_report(result))
-    return 0 if result.ok else 1
+        raise SystemExit(f"check takes an exercise number, a range like 12-15, or 'all', "
+                         f"not {args.exercise!r}") from None
+    results = [run_check(catalog.get(n), workspace) for n in numbers]
+    print("\n".join(_report(r) for r in results))
+    return 0 if all(r.ok for r in results) else 1
 
 
 def _report(r) -> str:
@@ -118,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("hints", help="what an exercise asks, and its hints")
     p.add_argument("number", type=int)
     p = sub.add_parser("check", help="check your solution to an exercise (or all)")
-    p.add_argument("exercise", help="an exercise number, or all")
+    p.add_argument("exercise", help="an exercise number, a range like 12-15, or all")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workspace", default=DEFAULT_WORKSPACE,
                        help="where your copies are (default: workspace/)")

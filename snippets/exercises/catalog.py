@@ -256,34 +256,80 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise(
         number=12, title="FSDPTrainer._get_sharding_strategy", file=FSDP_FILE,
         sections=("exercise-12",), phase=3,
-        task="map a strategy name to what FSDP shards",
+        task="map the strategy name (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD) to "
+             "fully_shard's arguments: {'mesh': self._device_mesh(replicas, shards), "
+             "'reshard_after_forward': bool}",
         concept="ZeRO stages: memory against communication",
-        difficulty="Easy (5 lines)", hints=(), check="check_sharding_strategy",
-        arrives_with="Week 2",
+        difficulty="Easy (5-10 lines, a dict lookup)",
+        hints=(
+            "a mesh of shape (replicas, shards): `shards` ranks split one copy of the model, and "
+            "`replicas` such groups hold identical copies; replicas * shards = self.world_size",
+            "FULL_SHARD (ZeRO-3) shards over every rank and frees the gathered parameters after "
+            "forward (reshard_after_forward=True): they are all-gathered again for backward",
+            "SHARD_GRAD_OP (ZeRO-2) shards the same way but keeps the gathered parameters until "
+            "backward (reshard_after_forward=False): one all-gather per step instead of two",
+            "NO_SHARD is DDP: self.world_size replicas of 1 rank each; HYBRID_SHARD shards "
+            "within groups of self.shard_group_size ranks (a node) and replicates across groups",
+        ),
+        check="check_sharding_strategy",
     ),
     Exercise(
         number=13, title="FSDPTrainer._get_mixed_precision_policy", file=FSDP_FILE,
         sections=("exercise-13",), phase=3,
-        task="the mixed-precision policy for bf16, fp16 or fp32",
+        task="return the MixedPrecisionPolicy for self.fsdp_config.mixed_precision (bf16, "
+             "fp16 or fp32): compute in that dtype, reduce gradients in float32; raise "
+             "ConfigError for any other name",
         concept="Mixed precision, bf16 against fp16",
-        difficulty="Easy (10 lines)", hints=(), check="check_mixed_precision_policy",
-        arrives_with="Week 2",
+        difficulty="Easy (about 10 lines, if/elif/return)",
+        hints=(
+            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...): param_dtype is what the "
+            "all-gathered parameters are cast to for forward and backward",
+            "reduce_dtype=torch.float32 in every case: gradients summed over ranks in bf16 "
+            "keep only 8 bits of mantissa",
+            "bf16 has fp32's exponent range and needs no loss scaling; fp16 (torch.float16) "
+            "does, because small gradients underflow to zero",
+            "the sharded parameters themselves always stay fp32: the policy only changes the "
+            "gathered copies used for computing",
+        ),
+        check="check_mixed_precision_policy",
     ),
     Exercise(
         number=14, title="FSDPTrainer._get_fsdp_policy", file=FSDP_FILE,
         sections=("exercise-14",), phase=3,
-        task="wrap the model at transformer-block granularity",
+        task="return the modules that become FSDP units, in the order fully_shard is applied: "
+             "every transformer Block, then the model itself",
         concept="FSDP wrapping granularity",
-        difficulty="Easy (3 lines)", hints=(), check="check_fsdp_policy",
-        arrives_with="Week 2",
+        difficulty="Easy (2-3 lines)",
+        hints=(
+            "each unit is all-gathered in one collective just before it runs and freed after: "
+            "the unit size sets the peak memory and how much communication can overlap compute",
+            "the blocks: [m for m in model.modules() if isinstance(m, Block)]",
+            "fully_shard goes bottom-up: a unit takes every parameter not claimed by an earlier "
+            "unit, so the model itself (embedding, lm_head, final norm) comes LAST",
+        ),
+        check="check_fsdp_policy",
     ),
     Exercise(
         number=15, title="FSDPTrainer.save_checkpoint", file=FSDP_FILE,
         sections=("exercise-15",), phase=3,
-        task="gather the sharded state and save it",
-        concept="Distributed checkpointing of sharded state",
-        difficulty="Medium (15 lines)", hints=(), depends_on=(12, 13, 14),
-        check="check_fsdp_checkpoint", arrives_with="Week 2",
+        task="gather the sharded model and optimizer state into full tensors on rank 0 with "
+             "get_state_dict and write them, with step, sampler, RNG and configs, atomically "
+             "from rank 0 only",
+        concept="Distributed checkpointing: gathering sharded state",
+        difficulty="Medium (about 15 lines)",
+        hints=(
+            "self.model.state_dict() holds DTensors, this rank's slices: neither a plain GPT "
+            "nor torch.load(weights_only=True) accepts them",
+            "get_state_dict(self.model, self.optimizer, options=StateDictOptions("
+            "full_state_dict=True, cpu_offload=True)) all-gathers both; it is a collective, so "
+            "EVERY rank calls it",
+            "with cpu_offload=True only rank 0 receives the tensors (the others get empty "
+            "dicts): return None on the other ranks, write on rank 0 only",
+            "save the same pieces as exercise 11 (step, self.sampler.state_dict(), "
+            "capture_rng_state(), configs as dicts) with save_atomic(path, state)",
+        ),
+        depends_on=(12, 13, 14),
+        check="check_fsdp_checkpoint",
     ),
 )
 

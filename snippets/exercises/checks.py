@@ -10,6 +10,7 @@ that, not as "wrong numbers".
 
 from __future__ import annotations
 
+import contextlib
 import math
 from types import ModuleType
 
@@ -947,4 +948,373 @@ def check_checkpoint(learner: ModuleType) -> list[str]:
                                   "train_config: main() compares it with the current settings")
         passed.append("a resumed run continues exactly like the unbroken one "
                       "(into a wrapped and a bare model)")
+    return passed
+
+
+# ---------------------------------------------------------------- phase 3: the FSDP trainer
+#
+# As in phase 2, each check runs the learner's method inside the solution's trainer. Exercises
+# 12 and 13 are pure functions of the settings; 14 runs FSDP2 for real in a process group of
+# one; 15 gathers shards, so it runs on two processes.
+
+FSDP_EXERCISE_METHODS = ("_get_sharding_strategy", "_get_mixed_precision_policy",
+                         "_get_fsdp_policy", "save_checkpoint")
+
+
+def _fsdp_trainer_class(learner: ModuleType, *mine: str, **overrides) -> type:
+    """The learner's FSDPTrainer, their methods `mine`, the solution's for the others."""
+    from snippets.training import fsdp_trainer
+
+    solution = fsdp_trainer.FSDPTrainer
+    namespace = {name: getattr(solution, name) for name in FSDP_EXERCISE_METHODS
+                 if name not in mine}
+    namespace["log"] = lambda self, message: None
+    namespace.update(overrides)
+    return type("CheckedFSDPTrainer", (learner.FSDPTrainer,), namespace)
+
+
+def _fsdp_trainer(cls: type, module: ModuleType, world_size: int = 1, **fsdp):
+    train = module.TrainConfig(batch_size=4 // world_size, seq_len=16, max_steps=20,
+                               warmup_steps=3, lr=1e-3, data="dummy")
+    return cls(ref.get_config("tiny", max_position_embeddings=16), train,
+               module.FSDPConfig(**fsdp), "cpu")
+
+
+@contextlib.contextmanager
+def _process_group_of_one():
+    """FSDP2 needs a process group even for one process: an in-memory one, removed after."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group is already initialised in this process")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------- exercise 12: strategies
+
+
+def check_sharding_strategy(learner: ModuleType) -> list[str]:
+    # The mesh is recorded, not built: the mapping is what this exercise is about.
+    cls = _fsdp_trainer_class(learner, "_get_sharding_strategy",
+                              _device_mesh=lambda self, replicas, shards: (replicas, shards))
+    world, group = 8, 4
+    expected = {"FULL_SHARD": ((1, 8), True), "SHARD_GRAD_OP": ((1, 8), False),
+                "NO_SHARD": ((8, 1), None), "HYBRID_SHARD": ((2, 4), True)}
+    meaning = {
+        "FULL_SHARD": "ZeRO-3: every rank holds 1/8 of everything, and the parameters gathered "
+                      "for forward are freed right after it (all-gathered again for backward)",
+        "SHARD_GRAD_OP": "ZeRO-2: sharded over all 8 ranks like FULL_SHARD, but the gathered "
+                         "parameters stay from forward to backward, saving the second "
+                         "all-gather at the cost of memory",
+        "NO_SHARD": "DDP: 8 replicas of one rank each, a (8, 1) mesh; nothing is sharded and "
+                    "the gradients are all-reduced",
+        "HYBRID_SHARD": "HSDP: the 8 ranks form 2 groups (nodes) of shard_group_size=4; each "
+                        "group shards one copy, the groups are replicas: mesh (2, 4)",
+    }
+    for name, (mesh, reshard) in expected.items():
+        trainer = cls.__new__(cls)
+        trainer.world_size = world
+        trainer.fsdp_config = learner.FSDPConfig(sharding_strategy=name, shard_group_size=group)
+        try:
+            got = trainer._get_sharding_strategy()
+        except (RuntimeError, ValueError) as err:
+            if "process group" in str(err) or "init_process_group" in str(err):
+                raise CheckFailed(f"for {name} your code built a device mesh itself "
+                                  f"({str(err).splitlines()[0][:80]}): return "
+                                  "self._device_mesh(replicas, shards), which builds it for "
+                                  "the trainer's device") from None
+            raise
+        if not isinstance(got, dict) or set(got) != {"mesh", "reshard_after_forward"}:
+            raise CheckFailed(f"for {name} _get_sharding_strategy returned {got!r:.80}; return "
+                              "a dict with two keys, 'mesh' and 'reshard_after_forward' "
+                              "(fully_shard's keyword arguments)")
+        where = f"with world_size={world}, shard_group_size={group}, {name}"
+        if got["mesh"] != mesh:
+            why = meaning[name]
+            if name == "HYBRID_SHARD" and got["mesh"] == (4, 2):
+                why = ("you swapped the two sizes: the mesh is (replicas, shards), and a group "
+                       "of shard_group_size=4 ranks (a node) shards one copy. Sharding across "
+                       "nodes instead would send every all-gather over the slow network")
+            elif name == "HYBRID_SHARD" and got["mesh"] == (1, 8):
+                why = ("that is FULL_SHARD over all 8 ranks; HYBRID_SHARD shards within groups "
+                       "of self.shard_group_size and replicates across them")
+            raise CheckFailed(f"{where} asked for a mesh of (replicas, shards) = {got['mesh']}, "
+                              f"expected {mesh}: {why}")
+        if reshard is not None and got["reshard_after_forward"] is not reshard:
+            raise CheckFailed(f"{where} gave reshard_after_forward="
+                              f"{got['reshard_after_forward']!r}, expected {reshard}: "
+                              f"{meaning[name]}")
+    passed = ["FULL_SHARD and SHARD_GRAD_OP shard over all ranks; only FULL_SHARD frees the "
+              "gathered parameters after forward",
+              "NO_SHARD is a (world, 1) mesh (DDP); HYBRID_SHARD is (nodes, ranks per node)"]
+    return passed
+
+
+# ---------------------------------------------------------------- exercise 13: precision
+
+
+def _record_compute_dtype(trainer) -> list:
+    seen = []
+    trainer.model.layers[0].mlp.down_proj.register_forward_pre_hook(
+        lambda module, args: seen.append(module.weight.dtype))
+    return seen
+
+
+def check_mixed_precision_policy(learner: ModuleType) -> list[str]:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    cls = _fsdp_trainer_class(learner, "_get_mixed_precision_policy")
+    expected = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for name, dtype in expected.items():
+        trainer = cls.__new__(cls)
+        trainer.fsdp_config = learner.FSDPConfig(mixed_precision=name)
+        policy = trainer._get_mixed_precision_policy()
+        if not isinstance(policy, MixedPrecisionPolicy):
+            raise CheckFailed(f"for {name!r} you returned {type(policy).__name__}; return a "
+                              "torch.distributed.fsdp.MixedPrecisionPolicy")
+        compute = policy.param_dtype or torch.float32
+        if compute != dtype:
+            raise CheckFailed(f"for {name!r} the policy computes in "
+                              f"{str(compute).removeprefix('torch.')}, expected "
+                              f"{str(dtype).removeprefix('torch.')}: param_dtype is the dtype "
+                              "the all-gathered parameters are cast to for forward and backward")
+        reduce = policy.reduce_dtype or compute
+        if reduce != torch.float32:
+            raise CheckFailed(
+                f"for {name!r} gradients are reduced in {str(reduce).removeprefix('torch.')} "
+                "(reduce_dtype, which defaults to param_dtype): set reduce_dtype=torch.float32. "
+                "Averaging over ranks adds N gradients; in 16 bits every partial sum is rounded "
+                "to 8 (bf16) or 11 (fp16) significant bits, and small gradients vanish")
+    passed = ["bf16 and fp16 compute in 16 bits, fp32 in 32; gradients always reduced in fp32"]
+
+    trainer = cls.__new__(cls)
+    trainer.fsdp_config = learner.FSDPConfig()
+    trainer.fsdp_config.mixed_precision = "fp8"  # past FSDPConfig's own validation
+    try:
+        policy = trainer._get_mixed_precision_policy()
+    except ValueError as err:  # ConfigError is a ValueError
+        if not all(n in str(err) for n in expected):
+            raise CheckFailed(f"for an unknown name your error says {str(err)!r}: name the "
+                              "valid choices, bf16, fp16 and fp32") from None
+    else:
+        raise CheckFailed(f"for mixed_precision='fp8' you returned {policy!r:.60}: raise a "
+                          "ConfigError naming the valid choices instead of training in "
+                          "something nobody asked for")
+    passed.append("an unknown name raises an error listing bf16, fp16, fp32")
+
+    with _process_group_of_one():
+        trainer = _fsdp_trainer(cls, learner, mixed_precision="bf16")
+        seen = _record_compute_dtype(trainer)
+        stats = trainer.train_step(trainer.micro_batches())
+        stored = {p.dtype for p in trainer.model.parameters()}
+    if seen[0] != torch.bfloat16 or stored != {torch.float32} or not math.isfinite(
+            stats["loss"]):
+        raise CheckFailed(f"training one step with bf16: the block computed with "
+                          f"{seen[0]} weights and the shards are stored as {stored} (expected "
+                          "bfloat16 and float32)")
+    passed.append("a real bf16 training step: bf16 weights in the block, fp32 shards updated")
+    return passed
+
+
+# ---------------------------------------------------------------- exercise 14: FSDP units
+
+
+def check_fsdp_policy(learner: ModuleType) -> list[str]:
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = _fsdp_trainer_class(learner, "_get_fsdp_policy")
+    quiet = type("Plain", (_ref_trainer().DistributedTrainer,), {"log": lambda self, m: None})
+    fresh = ref.GPT(ref.get_config("tiny"))
+    order = cls._get_fsdp_policy(cls.__new__(cls), fresh)
+    if not isinstance(order, (list, tuple)) or not all(isinstance(m, nn.Module) for m in order):
+        raise CheckFailed(f"_get_fsdp_policy returned {order!r:.80}; return a list of modules, "
+                          "each of which becomes an FSDP unit")
+    if fresh in order and any(isinstance(m, ref.Block) for m in order[order.index(fresh):]):
+        raise CheckFailed(
+            "the model comes first in your list, before blocks: fully_shard(model) claims "
+            "every parameter not yet in a unit, the blocks' included, so applied first it "
+            "leaves the blocks nothing (and FSDP fails or trains the blocks as one piece). "
+            "Apply it bottom-up: the blocks first, the model itself last")
+    with _process_group_of_one():
+        try:
+            trainer = _fsdp_trainer(cls, learner)
+        except (TypeError, AssertionError, RuntimeError, ValueError) as err:
+            raise CheckFailed(f"applying fully_shard to your units raised "
+                              f"{type(err).__name__}: {str(err)[:160]}") from None
+        model = trainer.model
+        units = [name or "the model" for name, m in model.named_modules()
+                 if isinstance(m, FSDPModule)]
+        blocks = [f"layers.{i}" for i in range(len(model.layers))]
+        extra = [u for u in units if u not in blocks and u != "the model"]
+        if extra:
+            raise CheckFailed(
+                f"you made {len(units)} FSDP units ({', '.join(extra[:3])}, ...): units "
+                "smaller than a block mean one all-gather and one reduce-scatter per unit and "
+                "step, each a small message paying the collective's start-up cost. One unit "
+                "per Block, then the model")
+        if not isinstance(model, FSDPModule):
+            raise CheckFailed(
+                f"your FSDP units are {units}, without the model itself: embed_tokens (tied to "
+                "lm_head) and the final norm stay ordinary tensors, a full copy on every rank, "
+                "and nothing averages their gradients over the ranks, so the replicas drift "
+                "apart. End the list with the model: fully_shard(model) takes what the blocks "
+                "did not")
+        if not all(b in units for b in blocks):
+            raise CheckFailed(
+                f"your FSDP units are {units}: with no unit per Block the whole model is "
+                "all-gathered at once when forward starts, so every rank holds all of it at "
+                "the peak (FSDP saves nothing there) and no gathering overlaps computation. "
+                "Put each transformer Block in the list, then the model")
+        passed = [f"units: {', '.join(blocks)} and the model itself, applied bottom-up"]
+
+        solution = _ref_trainer()
+        reference = quiet(ref.get_config("tiny", max_position_embeddings=16),
+                          solution.TrainConfig(batch_size=4, seq_len=16, max_steps=20,
+                                               warmup_steps=3, lr=1e-3, data="dummy"))
+        batch = torch.randint(0, 256, (4, 17), generator=torch.Generator().manual_seed(0))
+        ours, theirs = trainer.train_step(iter([batch])), reference.train_step(iter([batch]))
+        plain = dict(reference.raw_model.named_parameters())
+        for name, p in model.named_parameters():
+            # A process group of one: FSDP's gather and average are copies, so one step
+            # matches plain training up to the order of additions (~1e-7).
+            if not torch.allclose(p.full_tensor(), plain[name], rtol=0, atol=1e-6):
+                raise CheckFailed(f"after one step {name} differs from plain training by "
+                                  f"{_max_diff(p.full_tensor(), plain[name]):.3g}")
+        if not math.isclose(ours["loss"], theirs["loss"], rel_tol=1e-6):
+            raise CheckFailed(f"the sharded model's loss {ours['loss']:.5f} differs from the "
+                              f"plain model's {theirs['loss']:.5f}")
+    passed.append("one training step of the sharded model equals one step of the plain model")
+    return passed
+
+
+# ---------------------------------------------------------------- exercise 15: checkpoint
+
+
+def _fsdp_checkpoint_worker(rank: int, world_size: int, learner_path: str, tmp: str) -> dict:
+    """Runs in each of two processes: train, save with the learner's save_checkpoint, resume
+    with the solution's load_checkpoint. Returns facts; the parent judges them, so that no
+    rank stops early and leaves the other waiting in a collective."""
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from snippets.exercises.runner import _describe, load_learner_module
+
+    path = Path(learner_path)
+    learner = load_learner_module(path)
+    writers = []
+    save_atomic = learner.save_atomic
+
+    def recording_save(target, state):
+        writers.append(rank)
+        return save_atomic(target, state)
+
+    learner.save_atomic = recording_save
+    cls = _fsdp_trainer_class(learner, "save_checkpoint")
+    full = StateDictOptions(full_state_dict=True)
+    ckpt = f"{tmp}/ckpt.pt"
+    try:
+        trainer = _fsdp_trainer(cls, learner, world_size)
+        batches = trainer.micro_batches()
+        for _ in range(2):
+            trainer.train_step(batches)
+        returned = trainer.save_checkpoint(ckpt)
+        torch.distributed.barrier()
+        at_save = get_model_state_dict(trainer.model, options=full)
+        trainer.train_step(batches)
+        unbroken = get_model_state_dict(trainer.model, options=full)
+    except Exception as err:  # noqa: BLE001 - the learner's code may raise anything
+        raise RuntimeError(f"LEARNER: {_describe(err, path)}") from None
+    facts = {"writers": writers, "returned": returned is not None}
+    try:
+        resumed = _fsdp_trainer(cls, learner, world_size)
+        resumed.load_checkpoint(ckpt)
+        resumed.train_step(resumed.micro_batches())
+        after = get_model_state_dict(resumed.model, options=full)
+        facts["resumed equal"] = all(torch.equal(after[k], unbroken[k]) for k in unbroken)
+    except Exception as err:  # noqa: BLE001 - the loader rejects what the learner wrote
+        facts["load error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:160]}"
+    if rank == 0:
+        facts["at save"] = {k: v.clone() for k, v in at_save.items()}
+    return facts
+
+
+def check_fsdp_checkpoint(learner: ModuleType) -> list[str]:
+    import tempfile
+    from pathlib import Path
+
+    from snippets.dist import spawn
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            ranks = spawn(_fsdp_checkpoint_worker, 2, learner.__file__, tmp, timeout_s=30)
+        except (RuntimeError, TimeoutError) as err:
+            text = str(err)
+            if "LEARNER: " in text:
+                raise CheckFailed("on 2 processes your code raised "
+                                  + text.split("LEARNER: ", 1)[1].strip()) from None
+            if "timed out" in text.lower() or "did not finish" in text:
+                raise CheckFailed(
+                    "a rank waited 30 s for the other in a collective: get_state_dict "
+                    "all-gathers the shards, so EVERY rank must call it (only the writing "
+                    "is rank 0's alone)") from None
+            raise
+        path = Path(tmp) / "ckpt.pt"
+        if not path.is_file():
+            raise CheckFailed("save_checkpoint wrote nothing at the path it was given (with 2 "
+                              "processes): rank 0 must write it")
+        if ranks[1]["writers"]:
+            raise CheckFailed(
+                "rank 1 wrote the checkpoint too: with cpu_offload=True only rank 0 receives "
+                "the gathered tensors (the others get empty dicts), so rank 1's file would "
+                "hold no weights and, renamed last, replace rank 0's. Return None on ranks "
+                "other than 0 (if not self.is_main)")
+        try:
+            state = torch.load(path, weights_only=True)
+        except Exception as err:  # noqa: BLE001 - the learner may have saved anything
+            why = str(err).splitlines()[0][:100]
+            if "DTensor" in str(err) or "distributed" in str(err):
+                why = ("it holds DTensors: self.model.state_dict() of a sharded model is each "
+                       "rank's slices. Gather them into plain tensors with get_state_dict(..., "
+                       "options=StateDictOptions(full_state_dict=True, cpu_offload=True))")
+            raise CheckFailed(f"torch.load(path, weights_only=True) refuses your checkpoint: "
+                              f"{why}") from None
+    expected = ranks[0]["at save"]
+    model_state = state.get("model") if isinstance(state, dict) else None
+    if not isinstance(model_state, dict) or set(model_state) != set(expected):
+        raise CheckFailed("the checkpoint's 'model' must be the full state dict, keyed like a "
+                          "plain GPT's (embed_tokens.weight, layers.0...)")
+    for name, value in expected.items():
+        saved = model_state[name]
+        if saved.shape != value.shape:
+            raise CheckFailed(
+                f"{name} is saved with shape {tuple(saved.shape)}, the full tensor is "
+                f"{tuple(value.shape)}: you saved rank 0's shard only. Every rank holds a "
+                "different slice; get_state_dict with full_state_dict=True all-gathers them")
+        if not torch.equal(saved.float(), value):
+            raise CheckFailed(f"{name} in the checkpoint differs from the model's weights at "
+                              f"the time of saving by {_max_diff(saved, value):.3g}")
+    plain = ref.GPT(ref.get_config("tiny", max_position_embeddings=16))
+    plain.load_state_dict(model_state)
+    passed = ["every rank gathers, rank 0 alone writes; loads with weights_only=True",
+              "full, unsharded weights: they load into a plain GPT"]
+    if not state.get("optimizer", {}).get("state"):
+        raise CheckFailed("the checkpoint has no optimizer state: save the optimizer state "
+                          "dict get_state_dict returns (AdamW's moments, gathered too)")
+    if "load error" in ranks[0]:
+        raise CheckFailed(f"load_checkpoint could not restore your checkpoint: "
+                          f"{ranks[0]['load error']}: save the same pieces as exercise 11 "
+                          "(step, sampler, rng, model_config, train_config)")
+    if not all(r["resumed equal"] for r in ranks):
+        raise CheckFailed("a run resumed from your checkpoint does not continue like the "
+                          "unbroken run: save step, self.sampler.state_dict() and "
+                          "capture_rng_state() as well")
+    if not ranks[0]["returned"]:
+        raise CheckFailed("save_checkpoint returned None on rank 0: return what "
+                          "save_atomic(path, state) returns")
+    passed.append("a run resumed from it continues exactly like the unbroken run")
     return passed

@@ -345,11 +345,11 @@ class DistributedTrainer:
     # --8<-- [end:checkpoint]
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser(description: str, out: str) -> argparse.ArgumentParser:
+    """The trainers' shared command line (fsdp_trainer.py adds its own options to it)."""
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(
-        description="Train a GPT in one process, or with DDP under torchrun.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_size", default="small",
                    help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
     p.add_argument("--data", default=defaults.data,
@@ -369,12 +369,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="max global gradient norm; 0 disables clipping")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps", "cuda"])
-    p.add_argument("--out", default="runs/ddp_trainer", help="directory for ckpt.pt")
+    p.add_argument("--out", default=out, help="directory for the checkpoint")
     p.add_argument("--ckpt_every", type=int, default=100,
-                   help="save OUT/ckpt.pt every N steps (and always at the end); 0 = end only")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/ckpt.pt")
+                   help="save a checkpoint every N steps (and always at the end); 0 = end only")
+    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
     p.add_argument("--log_every", type=int, default=10)
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    return build_parser("Train a GPT in one process, or with DDP under torchrun.",
+                        "runs/ddp_trainer").parse_args(argv)
+
+
+def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(
+        batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
+        seq_len=args.seq_len, max_steps=args.max_steps, lr=args.lr, min_lr=args.min_lr,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
+        grad_clip=args.grad_clip, seed=args.seed, data=args.data)
 
 
 # --8<-- [start:main]
@@ -388,11 +401,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     ckpt_path = Path(args.out) / "ckpt.pt"
     try:
-        train_config = TrainConfig(
-            batch_size=args.batch_size, grad_accum_steps=args.grad_accum_steps,
-            seq_len=args.seq_len, max_steps=args.max_steps, lr=args.lr, min_lr=args.min_lr,
-            warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-            grad_clip=args.grad_clip, seed=args.seed, data=args.data)
+        train_config = train_config_from_args(args)
         trainer = DistributedTrainer(get_config(args.model_size), train_config, device)
         if args.resume:
             state = trainer.load_checkpoint(ckpt_path)
@@ -413,8 +422,14 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"effective batch = micro-batch {tc.batch_size} x accumulation "
                 f"{tc.grad_accum_steps} x processes {trainer.world_size} x seq_len "
                 f"{trainer.seq_len} = {trainer.tokens_per_step:,} tokens per optimizer step")
+    return train(trainer, args, save=lambda: trainer.save_checkpoint_once(ckpt_path))
 
+
+def train(trainer, args: argparse.Namespace, save) -> int:
+    """Run optimizer steps up to max_steps, logging and calling save() every ckpt_every steps
+    and at the end. Returns the process exit code."""
     # --8<-- [start:training-loop]
+    tc = trainer.train_config
     batches = trainer.micro_batches()
     losses = []
     start = time.perf_counter()
@@ -432,17 +447,17 @@ def main(argv: list[str] | None = None) -> int:
                         f"lr {stats['lr']:.2e} | grad norm {stats['grad_norm']:.3f} | "
                         f"{stats['tokens'] / seconds:,.0f} tokens/s")
         if args.ckpt_every and trainer.step % args.ckpt_every == 0:
-            trainer.save_checkpoint_once(ckpt_path)
+            save()
     # --8<-- [end:training-loop]
     elapsed = time.perf_counter() - start
 
     if not losses:
-        trainer.log(f"nothing to do: {ckpt_path} is already at step {trainer.step}")
+        trainer.log(f"nothing to do: {args.out} is already at step {trainer.step}")
         return 0
-    trainer.save_checkpoint_once(ckpt_path)
+    save()
     trainer.log(f"done: {len(losses)} steps in {elapsed:.1f} s "
                 f"({len(losses) * trainer.tokens_per_step / elapsed:,.0f} tokens/s) | "
-                f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | checkpoint {ckpt_path}")
+                f"loss {losses[0]:.4f} -> {losses[-1]:.4f} | checkpoint in {args.out}")
     return 0
 # --8<-- [end:main]
 

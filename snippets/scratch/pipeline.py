@@ -1,0 +1,336 @@
+"""Pipeline parallelism from scratch: GPipe and 1F1B, driven by send and recv.
+
+The model is cut into p stages, one per rank: the first stage holds the token embedding, the last
+the final norm, the output head and the loss, and the transformer layers are shared out evenly.
+A global batch is cut into m micro-batches. Activations flow forward from rank to rank, gradients
+flow back, and a *schedule* decides in which order each rank runs its forwards (F) and
+backwards (B):
+
+- GPipe: all m forwards, then all m backwards. Simple; every stage holds m micro-batches'
+  activations at the peak.
+- 1F1B: a few warm-up forwards, then one forward, one backward, in turn; then the remaining
+  backwards. The same bubble, but a stage never holds more than p micro-batches' activations.
+
+Each rank records when every forward and backward started and ended, so a timeline can be drawn
+and the bubble (the idle share of the step) measured. The loss of each micro-batch is divided by
+m, so the gradients summed over the micro-batches equal one big batch's.
+
+Only torch.distributed primitives are used (isend, recv); tests/test_pipeline.py checks both
+schedules against single-process training. Run `python -m snippets.scratch.pipeline` for a demo.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
+
+
+# --8<-- [start:split]
+class GPTStage(nn.Module):
+    """A contiguous slice of the GPT. The layers keep their index in the whole model as their
+    name (layers.2, layers.3, ...), so a stage's state_dict keys are the model's own."""
+
+    def __init__(self, model: GPT, layer_indices: range, first: bool, last: bool):
+        super().__init__()
+        self.hidden_size = model.config.hidden_size
+        self.tied_embeddings = model.config.tie_word_embeddings
+        self.embed_tokens = model.embed_tokens if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layer_indices})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) on the first stage, hidden states (B, T, hidden) elsewhere; returns
+        hidden states, or logits (B, T, vocab) on the last stage."""
+        if self.embed_tokens is not None:
+            x = self.embed_tokens(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+
+def split_into_stages(model: GPT, num_stages: int) -> list[GPTStage]:
+    """Cut the model into num_stages stages with equal numbers of layers. The stages share the
+    model's parameters (no copy): each rank keeps its own stage and drops the rest."""
+    layers = model.config.num_hidden_layers
+    if not isinstance(num_stages, int) or num_stages < 1:
+        raise ConfigError(f"num_stages={num_stages!r} must be a positive integer")
+    if layers < num_stages:
+        raise ConfigError(
+            f"num_hidden_layers={layers} is smaller than num_stages={num_stages}: every stage "
+            f"needs at least one layer. Use at most {layers} stages, or a config with "
+            f"num_hidden_layers >= {num_stages}.")
+    if layers % num_stages:
+        fits = [p for p in range(1, layers + 1) if layers % p == 0]
+        raise ConfigError(
+            f"num_hidden_layers={layers} does not divide by num_stages={num_stages}: the stages "
+            f"would get unequal work and the slowest would set the pace. Use num_stages in "
+            f"{fits}, or set num_hidden_layers to a multiple of {num_stages}.")
+    per_stage = layers // num_stages
+    return [GPTStage(model, range(s * per_stage, (s + 1) * per_stage),
+                     first=s == 0, last=s == num_stages - 1) for s in range(num_stages)]
+# --8<-- [end:split]
+
+
+# --8<-- [start:schedules]
+def gpipe_schedule(num_micro_batches: int, stage_index: int, num_stages: int) -> list:
+    """All forwards, then all backwards: [F0, F1, ..., B0, B1, ...] on every stage."""
+    return ([("F", i) for i in range(num_micro_batches)]
+            + [("B", i) for i in range(num_micro_batches)])
+
+
+def one_f_one_b_schedule(num_micro_batches: int, stage_index: int, num_stages: int) -> list:
+    """Warm-up forwards, then one forward and one backward in turn, then the last backwards.
+
+    Stage s runs p - s - 1 forwards before its first backward: just enough that, when the
+    pipeline is full, the gradient of micro-batch 0 comes back exactly when the stage would
+    otherwise wait. From then on every backward frees one micro-batch's activations before the
+    next forward stores another, so stage s never holds more than p - s of them.
+    """
+    m = num_micro_batches
+    warmup = min(num_stages - stage_index - 1, m)
+    actions = [("F", i) for i in range(warmup)]
+    for i in range(m - warmup):  # steady state
+        actions += [("F", warmup + i), ("B", i)]
+    actions += [("B", i) for i in range(m - warmup, m)]  # cool-down
+    return actions
+
+
+SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
+# --8<-- [end:schedules]
+
+
+# --8<-- [start:trace]
+@dataclass
+class StageTrace:
+    """What one stage did in one step. Times are time.perf_counter() seconds, a monotonic clock
+    that all processes on one machine share, so the stages' events line up on one timeline."""
+
+    stage_index: int
+    events: list = field(default_factory=list)  # (kind "F"/"B", micro-batch, start, end)
+    peak_live: int = 0  # most micro-batches whose activations were held at once
+    peak_live_bytes: int = 0  # the bytes autograd saved for them at that moment
+
+    @contextmanager
+    def op(self, kind: str, micro_batch: int):
+        start = time.perf_counter()
+        yield
+        self.events.append((kind, micro_batch, start, time.perf_counter()))
+
+    def busy_s(self) -> float:
+        return sum(end - start for _, _, start, end in self.events)
+
+
+@contextmanager
+def saved_activation_bytes(module: nn.Module):
+    """Count the bytes autograd saves for backward inside the block, weights excluded: the
+    activation memory a micro-batch costs until its backward runs."""
+    weights = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
+    seen, total = set(), [0]
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total[0] += storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield total
+# --8<-- [end:trace]
+
+
+# --8<-- [start:run-schedule]
+def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: int,
+                 micro_inputs: list, micro_targets: list, loss_fn, activation_shape: tuple,
+                 dtype: torch.dtype = torch.float32):
+    """Run one step's forwards and backwards on this stage, in the order `actions` gives.
+
+    Activations go to rank stage_index + 1 and gradients to rank stage_index - 1 with isend,
+    which returns at once: a rank never blocks on a send, only on the recv of something it
+    needs, so no order of sends can deadlock. The tag is the micro-batch index.
+    Returns (the mean loss over the micro-batches on the last stage, else None; the trace).
+    """
+    first, last = stage_index == 0, stage_index == num_stages - 1
+    m = sum(kind == "F" for kind, _ in actions)
+    trace = StageTrace(stage_index)
+    held = {}  # micro-batch -> (stage input, stage output, saved bytes): waiting for backward
+    sends = []  # (work, tensor): a tensor must stay alive until its isend completes
+    loss_sum = 0.0
+    for kind, i in actions:
+        if kind == "F":
+            if first:
+                x = micro_inputs[i]
+            else:
+                x = torch.empty(activation_shape, dtype=dtype)
+                dist.recv(x, src=stage_index - 1, tag=i)
+                x.requires_grad_()  # so that backward produces the gradient to send back
+            with trace.op("F", i), saved_activation_bytes(stage) as saved:
+                y = stage(x)
+                if last:  # divided by m: the summed gradients are those of the whole batch
+                    y = loss_fn(y, micro_targets[i]) / m
+            if last:
+                loss_sum += y.item()
+            else:
+                sends.append((dist.isend(y.detach(), dst=stage_index + 1, tag=i), y))
+            held[i] = (x, y, saved[0])
+            trace.peak_live = max(trace.peak_live, len(held))
+            trace.peak_live_bytes = max(trace.peak_live_bytes, sum(h[2] for h in held.values()))
+        else:
+            x, y, _ = held.pop(i)  # dropping them frees this micro-batch's activations
+            grad = None  # on the last stage y is the loss: backward starts from it
+            if not last:
+                grad = torch.empty_like(y)
+                dist.recv(grad, src=stage_index + 1, tag=i)
+            with trace.op("B", i):
+                torch.autograd.backward(y, grad)  # adds into .grad: accumulates over micro-batches
+            if not first:
+                sends.append((dist.isend(x.grad, dst=stage_index - 1, tag=i), x.grad))
+    for work, _ in sends:
+        work.wait()
+    return (loss_sum if last else None), trace
+# --8<-- [end:run-schedule]
+
+
+# --8<-- [start:train-step]
+def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int) -> None:
+    """With tied embeddings, one matrix is both the first stage's embedding and the last stage's
+    output head. Each of the two ranks holds a copy and computed part of its gradient; exchange
+    the parts and add them, so both copies take the same update and stay equal."""
+    if num_stages == 1 or not stage.tied_embeddings or 0 < stage_index < num_stages - 1:
+        return
+    weight = stage.embed_tokens.weight if stage_index == 0 else stage.lm_head.weight
+    peer = num_stages - 1 if stage_index == 0 else 0
+    other = torch.empty_like(weight.grad)
+    work = dist.isend(weight.grad, dst=peer)
+    dist.recv(other, src=peer)
+    work.wait()
+    weight.grad += other  # a + b == b + a exactly, so both copies get the same bits
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The GPT's own loss (GPT.forward): mean next-token cross-entropy, in fp32."""
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
+                           ignore_index=-100)
+
+
+def pipeline_train_step(stage: GPTStage, schedule, tokens: torch.Tensor, num_micro_batches: int,
+                        stage_index: int, num_stages: int):
+    """Forward and backward of one global batch of tokens (B, T+1) through the pipeline; the
+    caller then steps its optimizer. Every rank gets the batch: the first stage uses the
+    inputs, the last the targets. Returns (mean loss on the last stage or None, trace)."""
+    batch = tokens.shape[0]
+    if batch % num_micro_batches:
+        raise ValueError(f"batch size {batch} does not divide into num_micro_batches="
+                         f"{num_micro_batches}; use a batch size that is a multiple of it")
+    inputs, targets = shift_for_next_token(tokens)
+    actions = schedule(num_micro_batches, stage_index, num_stages)
+    activation_shape = (batch // num_micro_batches, inputs.shape[1], stage.hidden_size)
+    loss, trace = run_schedule(stage, actions, stage_index, num_stages,
+                               list(inputs.chunk(num_micro_batches)),
+                               list(targets.chunk(num_micro_batches)),
+                               cross_entropy, activation_shape)
+    sync_tied_embedding_grads(stage, stage_index, num_stages)
+    return loss, trace
+# --8<-- [end:train-step]
+
+
+# --8<-- [start:bubble]
+def theoretical_bubble(num_stages: int, num_micro_batches: int) -> float:
+    """Idle share of a step when every F (and every B) takes the same time on every stage."""
+    return (num_stages - 1) / (num_micro_batches + num_stages - 1)
+
+
+def measured_bubble(traces: list[StageTrace]) -> list[float]:
+    """Per stage, idle time / total time, where the total is the step's span: from the first
+    op to start on any stage to the last op to end."""
+    start = min(e[2] for t in traces for e in t.events)
+    end = max(e[3] for t in traces for e in t.events)
+    return [1 - t.busy_s() / (end - start) for t in traces]
+# --8<-- [end:bubble]
+
+
+# --8<-- [start:demo]
+def train_pipeline(rank, world_size, schedule_names, num_micro_batches, steps, batch_size, seq_len,
+                   config_name="tiny", num_layers=None):
+    """Train a GPT (by default the tiny one with one layer per stage) for a few steps with each
+    schedule; return, per schedule, this stage's weights, the losses and every step's trace."""
+    results = {}
+    for name in schedule_names:
+        torch.manual_seed(0)
+        model = GPT(get_config(config_name, num_hidden_layers=num_layers or world_size))
+        stage = split_into_stages(model, world_size)[rank]
+        optimizer = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
+        g = torch.Generator().manual_seed(1)  # the same batches on every rank
+        losses, traces = [], []
+        for _ in range(steps):
+            tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1),
+                                   generator=g)
+            dist.barrier()  # only so that each step's timeline starts together on every rank
+            loss, trace = pipeline_train_step(stage, SCHEDULES[name], tokens,
+                                              num_micro_batches, rank, world_size)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss)
+            traces.append(trace)
+        state = {k: v.clone() for k, v in stage.state_dict().items()}
+        results[name] = {"state": state, "losses": losses, "traces": traces}
+    return results
+
+
+def single_process(steps, batch_size, seq_len, config_name="tiny", num_layers=2):
+    """The same training with the whole model in one process: the reference."""
+    torch.manual_seed(0)
+    model = GPT(get_config(config_name, num_hidden_layers=num_layers))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), generator=g)
+        _, loss = model(*shift_for_next_token(tokens))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def main():
+    from snippets.dist import spawn
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--stages", type=int, default=4)
+    parser.add_argument("--micro-batches", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    p, m, batch, seq = args.stages, args.micro_batches, 2 * args.micro_batches, 32
+    reference, ref_losses = single_process(args.steps, batch, seq, num_layers=p)
+    print(f"tiny GPT with {p} layers, {p} stages (1 layer each), batch of {batch} sequences x "
+          f"{seq} tokens in {m} micro-batches, {args.steps} SGD steps")
+    print(f"single process   losses {' '.join(f'{x:.4f}' for x in ref_losses)}")
+    ranks = spawn(train_pipeline, p, list(SCHEDULES), m, args.steps, batch, seq, timeout_s=120)
+    for name in SCHEDULES:
+        runs = [r[name] for r in ranks]
+        worst = max((run["state"][k] - reference[k]).abs().max().item()
+                    for run in runs for k in run["state"])
+        print(f"{name:<6} pipeline  losses {' '.join(f'{x:.4f}' for x in runs[-1]['losses'])}"
+              f"   max |weight - single process| {worst:.1e}")
+        live = ", ".join(f"{t.peak_live} ({t.peak_live_bytes / 2**10:.0f} KiB)"
+                         for t in (run["traces"][-1] for run in runs))
+        print(f"       peak live activations per stage, micro-batches (memory): {live}")
+
+
+if __name__ == "__main__":
+    main()
+# --8<-- [end:demo]

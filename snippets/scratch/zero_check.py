@@ -1,0 +1,87 @@
+"""Watch ZeRO 1, 2 and 3 from scratch train the tiny GPT on 2 processes:
+
+    python -m snippets.scratch.zero_check
+
+For each stage: is the trained model the one a single process trains on the same global batches,
+how many bytes of model state each rank holds (measured, beside the paper's formula), and how many
+bytes each rank sent in one step (counted, beside the ring formula).
+"""
+
+import torch
+
+from snippets.dist import spawn
+from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.scratch.zero import (
+    CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
+    expected_traffic_bytes, model_state_bytes)
+
+STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+ADAMW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return GPT(get_config("tiny"))
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
+
+
+# --8<-- [start:check]
+def shard(stage, model, comm):
+    """The three stages, as a training script would set them up: (model to call, optimizer)."""
+    if stage == 1:
+        return model, ZeRO1Optimizer(model.parameters(), comm=comm, **ADAMW)
+    if stage == 2:
+        return model, ZeRO2Optimizer(model.parameters(), comm=comm, bucket_cap_mb=0.1, **ADAMW)
+    net = ZeRO3(model, comm=comm)
+    return net, torch.optim.AdamW(net.parameters(), **ADAMW)
+
+
+def train_stages(rank, world_size):
+    results = {}
+    for stage in (1, 2, 3):
+        model, comm = make_model(), CommStats()
+        net, optimizer = shard(stage, model, comm)
+        for batch in batches():
+            comm.reset()
+            inputs, targets = shift_for_next_token(batch.chunk(world_size)[rank])  # my slice
+            net(inputs, targets)[1].backward()
+            optimizer.step()
+            held, sent = model_state_bytes(model, optimizer), sum(comm.bytes.values())
+            optimizer.zero_grad()
+        weights = net.full_state_dict() if stage == 3 else {
+            n: p.detach().clone() for n, p in model.named_parameters()}
+        results[stage] = weights, held, sent
+    return results
+
+
+def main(world_size: int = 2):
+    model = make_model()
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    for batch in batches():  # one process, whole global batches
+        inputs, targets = shift_for_next_token(batch)
+        model(inputs, targets)[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    single = dict(model.named_parameters())
+    moved = max((single[n] - start[n]).abs().max().item() for n in single)
+    psi = model.num_parameters()
+    print(f"tiny GPT, {psi:,} parameters, {world_size} ranks, {STEPS} AdamW steps; "
+          "bytes per rank, measured (formula)")
+    print(f"{'stage':<7}{'same as 1 process':>18}{'model state':>24}{'sent per step':>22}")
+    results = spawn(train_stages, world_size)[0]  # rank 0's view; all ranks hold equal weights
+    for stage, (weights, held, sent) in results.items():
+        worst = max((weights[n] - single[n]).abs().max().item() for n in single)
+        formula = expected_model_state_bytes(stage, psi, world_size)["total"]
+        theory = sum(expected_traffic_bytes(stage, psi, world_size).values())
+        print(f"ZeRO-{stage:<2}{str(worst < 1e-3 * moved):>18}"
+              f"{held['total']:>12,} ({formula:>9,.0f}){sent:>12,} ({theory:>7,.0f})")
+# --8<-- [end:check]
+
+
+if __name__ == "__main__":
+    main()

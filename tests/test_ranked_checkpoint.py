@@ -1,0 +1,151 @@
+"""Ranked checkpoints: 2 processes save their shards, 1 and 4 processes load them back by
+re-sharding, consolidation equals the trained model, and damaged checkpoints name the rank."""
+
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snippets.cluster.ranked_checkpoint import (_demo_save, consolidate, load_shard,
+                                                saved_world_size, shard_bounds, shard_path)
+from snippets.dist import spawn
+from snippets.models.gpt import GPT, get_config
+from snippets.training.checkpoint import CheckpointError, CorruptCheckpointError, NoCheckpointError
+
+STEP = 2
+
+
+def reference_model():
+    """The demo's training, replayed in one process on the whole global batch."""
+    from snippets.cluster.ranked_checkpoint import adam_groups
+    from snippets.models.gpt import shift_for_next_token
+
+    torch.manual_seed(0)
+    model = GPT(get_config("tiny"))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(STEP):
+        model(*shift_for_next_token(torch.randint(0, 256, (4, 17), generator=g)))[1].backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return adam_groups(model, optimizer)
+
+
+def load_and_gather(rank, world_size, directory):
+    """Each of the new ranks loads its slice, then all-gather rebuilds the full buffers."""
+    meta, shards = load_shard(directory, rank, world_size)
+    full = {}
+    for group, piece in shards.items():
+        numel = meta["layouts"][group]["numel"]
+        size = shard_bounds(numel, 0, world_size)[1]
+        padded = torch.zeros(size)
+        padded[:len(piece)] = piece  # the last slice may be short: pad to a common size
+        gathered = [torch.empty(size) for _ in range(world_size)]
+        dist.all_gather(gathered, padded)
+        full[group] = torch.cat(gathered)[:numel]
+    return meta["saved_world_size"], {g: len(s) for g, s in shards.items()}, full
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("ranked") / f"step_{STEP}"
+    spawn(_demo_save, 2, str(directory), STEP, timeout_s=120)
+    return directory
+
+
+# --8<-- [start:test-reshard]
+def test_two_rank_checkpoint_loads_on_one_and_four_ranks(saved):
+    ref = reference_model()
+    ref_flat = {g: torch.cat([t.detach().reshape(-1) for t in ts.values()]) for g, ts in ref.items()}
+    assert saved_world_size(saved) == 2
+
+    # 1 process: consolidation gives full tensors equal to single-process training. Tolerance:
+    # 2 ranks average two half-batch gradients instead of one mean (last-bit differences).
+    meta, groups = consolidate(saved)
+    assert meta["step"] == STEP
+    for group, tensors in ref.items():
+        for name, tensor in tensors.items():
+            torch.testing.assert_close(groups[group][name], tensor.detach(), rtol=1e-4, atol=1e-6)
+    model = GPT(get_config("tiny"))
+    model.load_state_dict(groups["model"], strict=False)
+    for name, p in model.named_parameters():
+        assert torch.equal(p, groups["model"][name]), name
+
+    # 4 processes: each loads its quarter (re-sharded from 2 files); gathered, it is all of it.
+    results = spawn(load_and_gather, 4, str(saved), timeout_s=120)
+    numel = ref_flat["model"].numel()
+    for rank, (saved_world, sizes, full) in enumerate(results):
+        assert saved_world == 2
+        lo, hi = shard_bounds(numel, rank, 4)
+        assert sizes["model"] == hi - lo
+        for group in ref_flat:  # exactly the consolidated bytes, nothing lost or doubled
+            flat_consolidated = torch.cat([t.reshape(-1) for t in groups[group].values()])
+            assert torch.equal(full[group], flat_consolidated), group
+# --8<-- [end:test-reshard]
+
+
+# --8<-- [start:test-errors]
+def test_missing_truncated_and_mismatched_rank_files_are_named(saved, tmp_path):
+    with pytest.raises(CheckpointError, match=r"saved by 2 ranks but this job has world_size=4"):
+        load_shard(saved, 0, 4, reshard=False)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(saved, broken)
+    victim = shard_path(broken, 1, 2)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])  # a killed copy
+    with pytest.raises(CorruptCheckpointError, match=r"rank 1's shard is damaged.*truncated"):
+        consolidate(broken)
+    with pytest.raises(CorruptCheckpointError, match="rank 1"):
+        load_shard(broken, 3, 4)  # new rank 3 reads from old rank 1's file
+    load_shard(broken, 0, 4)  # new rank 0 needs only old rank 0's file: still loads
+
+    victim.unlink()
+    with pytest.raises(NoCheckpointError, match=r"rank 1's shard rank_00001-of-00002.pt is missing"):
+        consolidate(broken)
+    with pytest.raises(NoCheckpointError, match="no ranked checkpoint files"):
+        consolidate(tmp_path / "empty")
+# --8<-- [end:test-errors]
+
+
+def test_shard_bounds_cover_the_buffer_once():
+    for numel in (0, 1, 7, 115_520):
+        for world in (1, 2, 3, 4, 8):
+            bounds = [shard_bounds(numel, r, world) for r in range(world)]
+            assert bounds[0][0] == 0 and bounds[-1][1] == numel
+            assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+
+
+# --8<-- [start:test-merge-logs]
+def test_merge_logs_orders_ranks_by_time_and_labels_every_line(tmp_path):
+    from snippets.cluster.merge_logs import last_line_per_rank, merge_rank_logs
+    from snippets.training.ddp_simulation_train import rank_logger
+
+    # The real format, written by the trainer's own logger...
+    for rank in (0, 1):
+        log = rank_logger(str(tmp_path / "real"), rank)
+        log.info(f"started: RANK={rank}")
+        for handler in log.handlers[:]:  # the logger is global: leave none behind
+            handler.close()
+            log.removeHandler(handler)
+    real = merge_rank_logs(tmp_path / "real")
+    assert [(e.rank, e.text) for e in real] == [(0, "started: RANK=0"), (1, "started: RANK=1")]
+
+    # ...and a hand-made pair: interleaving, a traceback, a run past midnight.
+    (tmp_path / "logs/rank_0").mkdir(parents=True)
+    (tmp_path / "logs/rank_1").mkdir(parents=True)
+    (tmp_path / "logs/rank_0/train.log").write_text(
+        "23:59:58 rank 0 | step 1\n23:59:59 rank 0 | step 2\n00:00:01 rank 0 | step 3\n")
+    (tmp_path / "logs/rank_1/train.log").write_text(
+        "23:59:58 rank 1 | step 1\n00:00:00 rank 1 | failed\nTraceback (most recent call last):\n"
+        "RuntimeError: simulated failure on rank 1\n")
+    merged = [str(e) for e in merge_rank_logs(tmp_path / "logs")]
+    assert merged == [
+        "23:59:58 rank 0 | step 1", "23:59:58 rank 1 | step 1", "23:59:59 rank 0 | step 2",
+        "00:00:00 rank 1 | failed", "00:00:00 rank 1 | Traceback (most recent call last):",
+        "00:00:00 rank 1 | RuntimeError: simulated failure on rank 1", "00:00:01 rank 0 | step 3"]
+    last = last_line_per_rank(merge_rank_logs(tmp_path / "logs"))
+    assert last[1].text.startswith("RuntimeError") and last[0].text == "step 3"
+    with pytest.raises(FileNotFoundError, match="rank_N/train.log"):
+        merge_rank_logs(tmp_path / "nothing")
+# --8<-- [end:test-merge-logs]
