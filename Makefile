@@ -40,12 +40,13 @@ build: $(STAMP)
 	LESSON_CACHE=false $(VENV)/bin/mkdocs build --strict
 
 # Two pytest workers: many tests wait on process start-up and rendezvous rather than compute, so
-# two run side by side on 2 cores. Each file stays on one worker, in order (tests/conftest.py).
+# two run side by side on 2 cores. --dist loadfile keeps each file (a page's blocks build on each
+# other) on one worker, in order; the built site is shared between them (tests/conftest.py).
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 2
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -27,21 +28,20 @@ def mkdocs(*args, cwd=ROOT, timeout=600, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def built_site(tmp_path_factory) -> Path:
-    """`mkdocs build --strict` of the real site, executing every lesson."""
-    site = tmp_path_factory.mktemp("site")
-    result = mkdocs("build", "--strict", "--site-dir", str(site))
-    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stdout}\n{result.stderr}"
+def built_site(tmp_path_factory, worker_id) -> Path:
+    """`mkdocs build --strict` of the real site, executing every lesson: once per test run, shared
+    by the pytest-xdist workers (the first to need it builds; the others wait on the lock)."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base if worker_id == "master" else base.parent
+    site, failed = shared / "site", shared / "site-build-failed.txt"
+    with FileLock(str(shared / "site.lock")):
+        if not failed.exists() and not (site / "index.html").exists():
+            result = mkdocs("build", "--strict", "--site-dir", str(site))
+            if result.returncode != 0:
+                failed.write_text(f"{result.stdout}\n{result.stderr}")
+        if failed.exists():
+            pytest.fail(f"mkdocs build --strict failed:\n{failed.read_text()}")
     return site
-
-
-def pytest_collection_modifyitems(config, items):
-    """For `pytest -n 2 --dist loadgroup` (pytest-xdist; `make test` uses it): each file's tests
-    stay together and in order on one worker, since a page's blocks build on each other, and every
-    test of the built site shares one worker, so the site is built once."""
-    for item in items:
-        uses_site = "built_site" in getattr(item, "fixturenames", ())
-        item.add_marker(pytest.mark.xdist_group("built-site" if uses_site else str(item.path)))
 
 
 @pytest.fixture
@@ -54,3 +54,4 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
