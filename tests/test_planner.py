@@ -126,3 +126,30 @@ def test_translator_refuses_python_it_cannot_mirror():
         translate("def f(x):\n    while x:\n        x = x - 1\n    return x\n")
     with pytest.raises(Unsupported, match="format specification"):
         translate("def f(x):\n    return f'{x:.2f}'\n")
+
+
+def test_planner_matches_the_course_benchmarks_in_bench_json():
+    """Against the measurements `make bench` committed: model state per rank of DDP and ZeRO 1-3
+    on the small GPT (fp32, 2 and 4 ranks) within 10%, and the pipeline bubble the 1F1B
+    benchmark measured within 20% of the planner's (p-1)/(m+p-1)."""
+    import json
+
+    from tests.conftest import ROOT
+
+    results = json.loads((ROOT / "bench.json").read_text())["results"]
+    zero = results["zero_memory"]
+    model = cm.MODELS[zero["config"]]
+    assert cm.parameter_count(model) == zero["parameters"]
+    stages = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3, "FSDP2": 3}
+    for n, rows in zero["by_world_size"].items():
+        for name, row in rows.items():
+            predicted = cm.sharded_state_bytes(zero["parameters"], "fp32", stages[name], int(n))
+            assert predicted["total"] == pytest.approx(row["state_bytes"]["total"], rel=0.10), \
+                (n, name)
+    for row in results["pipeline_bubble"]["bubble"]:
+        p, m = row["stages"], row["micro_batches"]
+        # The small GPT's 4 layers split into the benchmark's 2 or 4 stages, one process each.
+        cluster = cm.CLUSTERS["This course's 2-core CPU (gloo)"] | {"gpus_per_node": 4}
+        r = cm.plan_training(cm.MODELS["small"], plan(pp=p, micro_batches=m), cluster)
+        assert r["bubble_fraction"] == pytest.approx(row["theory"], abs=5e-4)  # 3 decimals
+        assert row["1f1b"] == pytest.approx(r["bubble_fraction"], rel=0.20), (p, m)
