@@ -11,11 +11,12 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
 from snippets.scratch.zero import (
     CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
     expected_traffic_bytes, model_state_bytes)
 
-STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 TIMEOUT_S = 120
 
@@ -23,11 +24,6 @@ TIMEOUT_S = 120
 def make_model():
     torch.manual_seed(0)
     return GPT(get_config("tiny"))
-
-
-def global_batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
 def train(model, optimizer, batches, comm=None, measure=None):

@@ -16,9 +16,9 @@ import math
 
 import torch
 
-from snippets.data.dataset import RandomWindowSampler, load_tokens
-from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.models.gpt import shift_for_next_token
 from snippets.scratch.precision import DynamicLossScaler
+from snippets.training.precision_and_accumulation import model_and_batch
 
 
 # --8<-- [start:attention-overflow]
@@ -47,21 +47,13 @@ def attention_overflow_demo(value: float = 32.0, head_dim: int = 64) -> dict:
 # --8<-- [end:attention-overflow]
 
 
-def tiny_model_and_batches(batch_size: int = 16, seed: int = 0):
-    torch.manual_seed(seed)
-    model = GPT(get_config("tiny"))
-    sampler = RandomWindowSampler(load_tokens(None), batch_size,
-                                  model.config.max_position_embeddings, seed)
-    return model, sampler
-
-
 # --8<-- [start:fixed-loss-scale]
 def train_fp16(steps: int, loss_scale: float, dynamic: bool) -> list[dict]:
     """The tiny GPT under fp16 autocast with the loss multiplied by `loss_scale`. With a fixed
     scale the gradients are divided back and the optimizer steps, whatever they hold; with
     `dynamic`, the course's DynamicLossScaler skips a step whose gradients are not finite
     and halves the scale (torch.amp.GradScaler does the same)."""
-    model, sampler = tiny_model_and_batches()
+    model, sampler = model_and_batch("tiny", 16)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scaler = DynamicLossScaler(init_scale=loss_scale, growth_interval=1000)
     log = []
@@ -97,7 +89,7 @@ def train_sgd(steps: int, lr: float, clip_norm: float | None = None) -> list[dic
     to norm `clip_norm` whenever it is longer, so no single step is longer than lr * clip_norm.
     (AdamW divides by a running gradient size, so its steps are about lr long anyway: the
     same runaway needs a far larger lr there.)"""
-    model, sampler = tiny_model_and_batches()
+    model, sampler = model_and_batch("tiny", 16)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     log = []
     for step in range(1, steps + 1):

@@ -11,22 +11,17 @@ import torch
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
 from snippets.scratch.zero import (
     CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
     expected_traffic_bytes, model_state_bytes)
 
-STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
 
 def make_model():
     torch.manual_seed(0)
     return GPT(get_config("tiny"))
-
-
-def batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
 # --8<-- [start:check]
@@ -45,7 +40,7 @@ def train_stages(rank, world_size):
     for stage in (1, 2, 3):
         model, comm = make_model(), CommStats()
         net, optimizer = shard(stage, model, comm)
-        for batch in batches():
+        for batch in global_batches():
             comm.reset()
             inputs, targets = shift_for_next_token(batch.chunk(world_size)[rank])  # my slice
             net(inputs, targets)[1].backward()
@@ -62,7 +57,7 @@ def main(world_size: int = 2):
     model = make_model()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    for batch in batches():  # one process, whole global batches
+    for batch in global_batches():  # one process, whole global batches
         inputs, targets = shift_for_next_token(batch)
         model(inputs, targets)[1].backward()
         optimizer.step()
