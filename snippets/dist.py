@@ -70,6 +70,31 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 # --8<-- [end:init-from-env]
 
 
+def leave_process_group(timeout_s: float = 60.0) -> None:
+    """End a job's process group with the rank that hosts the store leaving last.
+
+    Every rank's connections hang off the TCP store at MASTER_ADDR:MASTER_PORT, which lives in
+    rank 0's process (or, under torchrun, in node 0's agent, which exits with node 0's workers).
+    If it exits while another rank is still tearing down, that rank can die with SIGABRT
+    ("terminate called without an active exception") after all its work is done. So every rank
+    signs out on the store after destroying its group, and rank 0 waits for all of them.
+    """
+    env = read_launch_env()
+    dist.barrier()
+    dist.destroy_process_group()
+    store = dist.TCPStore(env["master_addr"], env["master_port"], is_master=False,
+                          timeout=timedelta(seconds=timeout_s))
+    key = f"left/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    store.add(key, 1)
+    if env["rank"] == 0:
+        deadline = time.monotonic() + timeout_s
+        while (left := store.add(key, 0)) < env["world_size"]:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"only {left} of {env['world_size']} ranks left the process "
+                                   f"group within {timeout_s:.0f} s")
+            time.sleep(0.01)
+
+
 def _main_script() -> str:
     import __main__
 

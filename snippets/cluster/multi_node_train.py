@@ -29,7 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.cluster.ranked_checkpoint import adam_groups, save_shard
-from snippets.dist import LaunchError, init_from_env
+from snippets.dist import LaunchError, init_from_env, leave_process_group
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import save_checkpoint
 
@@ -126,7 +126,7 @@ def main(argv=None) -> None:
         print(f"rank {rank}: saved {path}", flush=True)
     dist.barrier()  # a checkpoint is complete only when every rank's file is on disk
     # --8<-- [end:ranked]
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, which hosts the store, leaves last
 
 
 if __name__ == "__main__":
