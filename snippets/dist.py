@@ -70,6 +70,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
 # --8<-- [end:init-from-env]
 
 
+# --8<-- [start:leave-process-group]
 def leave_process_group(timeout_s: float = 60.0) -> None:
     """End a job's process group with the rank that hosts the store leaving last.
 
@@ -93,6 +94,7 @@ def leave_process_group(timeout_s: float = 60.0) -> None:
                 raise TimeoutError(f"only {left} of {env['world_size']} ranks left the process "
                                    f"group within {timeout_s:.0f} s")
             time.sleep(0.01)
+# --8<-- [end:leave-process-group]
 
 
 def _main_script() -> str:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from snippets.data.dataset import load_tokens
-from snippets.dist import init_from_env
+from snippets.dist import init_from_env, leave_process_group
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -145,7 +145,7 @@ def main(argv=None) -> None:
         if args.save_dir:
             tag_dir = Path(args.save_dir) / f"step{args.steps}"
             print(f"checkpoint {tag_dir}: {', '.join(sorted(os.listdir(tag_dir)))}")
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, which hosts the store, leaves last
 
 
 if __name__ == "__main__":
