@@ -4,8 +4,14 @@ Loaded with `-p tests.codeblocks` (pyproject.toml's addopts). For each `docs/**/
 
 1. reads the page's blocks and their markers with pytest-codeblocks' own parser, so the markers mean
    what they mean there: `<!--pytest-codeblocks:cont-->`, `<!--pytest-codeblocks:expected-output-->`,
-   `<!--pytest-codeblocks:importorskip(module)-->`, `<!--pytest.mark.skip(reason="...")-->`,
-   `<!--pytest.mark.skipif(condition, reason="...")-->`, `<!--pytest.mark.xfail(...)-->`;
+   `<!--pytest.mark.skip(reason="...")-->`, `<!--pytest.mark.skipif(condition, reason="...")-->`.
+   Markers that would let a block escape or pass without running are refused with the fix
+   (`check_page`): `skipfile`, `expect-error`/`expect-exception` and `xfail` (a failing block would
+   count as a pass), `importorskip` (every dependency is pinned: a missing one is a failure), the
+   deprecated reason-less `pytest-codeblocks:skip`/`skipif`, and any unknown `pytest.mark.*`.
+   Code this runner would not see is refused too: `~~~` fences, and indented code blocks (the page
+   is rendered with the site's own Markdown settings, and every `<pre>` in it must come from a
+   fence the runner read);
 2. expands the `--8<--` includes inside each block with pymdownx.snippets' own preprocessor,
    configured from mkdocs.yml, so the test runs exactly the code the site shows;
 3. takes the first word of the fence's info string as the language, so
@@ -13,11 +19,14 @@ Loaded with `-p tests.codeblocks` (pyproject.toml's addopts). For each `docs/**/
 4. runs python blocks with the project's interpreter and bash/sh blocks with `bash -e -o pipefail`,
    both from the repository root, as a reader would; parses json/yaml/toml blocks.
 
-Two markers are this project's own:
-`<!--pytest.mark.cuda(reason="...")-->` runs the block only where CUDA is present (`make test-gpu`),
-and `<!--pytest.mark.excerpt-->` marks a block that only includes part of a module (a method, a
+Three markers are this project's own:
+`<!--pytest.mark.cuda(reason="...")-->` runs the block only where CUDA is present (`make test-gpu`);
+`<!--pytest.mark.excerpt-->` marks a block that only includes part of a module (a method, a
 class): it is checked by importing (python) or syntax-checking (bash) the file it comes from, and by
-the tests of that module.
+the tests of that module; `<!--pytest-codeblocks:expected-output(rtol=R, atol=A)-->` compares the
+output with the page's text where every number written with a decimal point or an exponent may
+differ by at most `atol + rtol * |page's value|`, and everything else (words, integers) must match
+exactly (`compare_output`). The page states the bound and why next to the block.
 
 A block in any other language, or with none, fails unless it is `text` or `mermaid` (shown, not
 code) or carries a skip marker with a reason. The run ends with a count of blocks executed, checked,
@@ -52,6 +61,24 @@ TIMEOUT_S = int(os.environ.get("CODEBLOCK_TIMEOUT", "600"))
 IMPORTED: set = set()  # (module, mtime) pairs whose import already succeeded this session
 INCLUDE = re.compile(r"""^\s*-{1,}8<-{1,}\s+["']([^"']+)["']\s*$""")
 OUTPUT_TAIL = 6000  # characters of stdout/stderr shown for a failing block
+MARKER = re.compile(r"^(\s*)<!--[-\s]*pytest-codeblocks:(.*?)[-\s]*-->\s*$")
+MARK = re.compile(r"^\s*<!--[-\s]*pytest\.mark\.(\w+)")
+ALLOWED_MARKS = {"skip", "skipif", "cuda", "excerpt"}
+TOLERANCE = re.compile(r"^expected-output\((.*)\)$")
+# A number with a decimal point or an exponent (a measured value); integers are counts and ids.
+FLOAT = re.compile(r"[-+]?(?:\d[\d,]*\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?")
+REFUSED = {
+    "skipfile": "skips every block of the page; mark the blocks that cannot run, each with "
+                '<!--pytest.mark.skip(reason="...")-->',
+    "expect-error": "counts a failing block as a pass; let the block catch and print the error "
+                    "and check that with <!--pytest-codeblocks:expected-output-->",
+    "expect-exception": "counts a failing block as a pass; let the block catch and print the error "
+                        "and check that with <!--pytest-codeblocks:expected-output-->",
+    "importorskip": "turns a missing dependency into a skip; every dependency is pinned in "
+                    "pyproject.toml, so import it and let a missing one fail",
+    "skip": 'has no reason; write <!--pytest.mark.skip(reason="why it cannot run here")-->',
+    "skipif": 'has no reason; write <!--pytest.mark.skipif(condition, reason="...")-->',
+}
 
 # nodeid -> what kind of block it is, for the end-of-run count
 _KIND: dict[str, str] = {}
@@ -152,6 +179,125 @@ def outside_fence_includes(text: str) -> list[tuple[int, str]]:
     return found
 
 
+def parse_tolerance(args: str, where: str) -> tuple[float, float]:
+    """`rtol=0.01, atol=1e-3` -> (0.01, 0.001); anything else is the marker's error."""
+    found = {}
+    for part in filter(None, (p.strip() for p in args.split(","))):
+        key, _, value = part.partition("=")
+        try:
+            if key.strip() not in {"rtol", "atol"} or key.strip() in found:
+                raise ValueError
+            found[key.strip()] = float(value)
+            if not 0 <= found[key.strip()] < 1:
+                raise ValueError
+        except ValueError:
+            raise BlockError(
+                f"{where}: expected-output({args}): write expected-output(rtol=R) and/or atol=A, "
+                "each a number in [0, 1)") from None
+    if not found:
+        raise BlockError(f"{where}: expected-output(): give rtol=R and/or atol=A")
+    return found.get("rtol", 0.0), found.get("atol", 0.0)
+
+
+def check_page(text: str, where) -> tuple[str, list]:
+    """Refuse what would let code escape the runner; return the text for pytest-codeblocks' parser
+    (tolerance markers turned into plain expected-output markers, same line numbers) and, for each
+    expected-output marker in page order, its (rtol, atol) or None."""
+    lines, tolerances, fence = text.splitlines(keepends=True), [], None
+    for i, line in enumerate(lines):
+        lineno, stripped = i + 1, line.strip()
+        ticks = len(stripped) - len(stripped.lstrip("`"))
+        if fence is not None:
+            if ticks >= fence and not stripped.strip("`"):
+                fence = None
+            continue
+        if ticks >= 3:
+            fence = ticks
+            continue
+        if stripped.startswith("~~~"):
+            raise BlockError(f"{where}:{lineno}: a ~~~ fence: this runner reads only ``` fences, "
+                             "so its code would never run; write the fence with backticks")
+        marker = MARKER.match(line)
+        if marker:
+            indent, keyword = marker.groups()
+            name = re.split(r"[\s(]", keyword, maxsplit=1)[0]
+            if name in REFUSED:
+                raise BlockError(f"{where}:{lineno}: <!--pytest-codeblocks:{keyword}--> "
+                                 f"{REFUSED[name]}")
+            tolerance = TOLERANCE.match(keyword)
+            if tolerance:
+                tolerances.append(parse_tolerance(tolerance.group(1), f"{where}:{lineno}"))
+                lines[i] = f"{indent}<!--pytest-codeblocks:expected-output-->\n"
+            elif name.startswith("expected-output"):
+                tolerances.append(None)
+        mark = MARK.match(line)
+        if mark and mark.group(1) not in ALLOWED_MARKS:
+            why = ("counts a failing block as a pass" if mark.group(1) == "xfail"
+                   else "is not a marker this runner knows")
+            raise BlockError(f"{where}:{lineno}: <!--pytest.mark.{mark.group(1)}...--> {why}; "
+                             f"use one of {', '.join(sorted(ALLOWED_MARKS))}")
+    return "".join(lines), tolerances
+
+
+def fences(text: str) -> int:
+    """How many ``` fences the page holds (a fence inside a longer fence is its content)."""
+    count, fence = 0, None
+    for line in text.splitlines():
+        stripped = line.strip()
+        ticks = len(stripped) - len(stripped.lstrip("`"))
+        if fence is None and ticks >= 3:
+            fence, count = ticks, count + 1
+        elif fence is not None and ticks >= fence and not stripped.strip("`"):
+            fence = None
+    return count
+
+
+@functools.cache
+def site_markdown():
+    """Python-Markdown with the site's own extensions and settings (mkdocs.yml)."""
+    import markdown
+    from mkdocs.config import load_config
+
+    config = load_config(str(ROOT / "mkdocs.yml"))
+    configs = dict(config["mdx_configs"])
+    snippets = dict(configs.get("pymdownx.snippets", {}))
+    snippets["base_path"] = [str(ROOT / p) for p in snippets.get("base_path", ["."])]
+    configs["pymdownx.snippets"] = snippets
+    return markdown.Markdown(extensions=config["markdown_extensions"], extension_configs=configs)
+
+
+def check_rendered_code(text: str, where):
+    """Every code box the site shows must come from a ``` fence: an indented code block (four
+    spaces after a blank line, outside a list, admonition or tab) is shown as code on the site but
+    never seen by the parser above."""
+    try:
+        html = site_markdown().reset().convert(text)
+    except Exception:  # noqa: BLE001 - e.g. a missing --8<-- section: the block that includes it
+        return  # fails when it runs, with the include named; the site build fails on it too
+    shown, fenced = html.count("<pre"), fences(text)
+    if shown != fenced:
+        raise BlockError(
+            f"{where}: the site renders {shown} code blocks but the page has {fenced} ``` fences: "
+            "an indented code block (4 spaces after a blank line) is shown as code and never run. "
+            "Put it in a ``` fence with its language, or indent it under the list item, "
+            "admonition or tab it belongs to.")
+
+
+def compare_output(expected: str, got: str, rtol: float, atol: float) -> list[str]:
+    """The differences between a block's output and the page's text, [] when they agree: numbers
+    with a decimal point or exponent within atol + rtol * |expected|, all other text exactly."""
+    exp_numbers, got_numbers = FLOAT.findall(expected), FLOAT.findall(got)
+    if FLOAT.sub("#", expected) != FLOAT.sub("#", got) or len(exp_numbers) != len(got_numbers):
+        return ["the text around the numbers differs"]
+    problems = []
+    for e, g in zip(exp_numbers, got_numbers):
+        ev, gv = float(e.replace(",", "")), float(g.replace(",", ""))
+        bound = atol + rtol * abs(ev)
+        if abs(gv - ev) > bound:
+            problems.append(f"page {e}, got {g}: differs by {abs(gv - ev):.3g} > bound {bound:.3g}")
+    return problems
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--codeblocks-docs", default=str(DOCS), metavar="DIR",
@@ -176,10 +322,16 @@ class MarkdownPage(pytest.File):
                     f"{where}:{lineno}: `{line}` includes code fences from outside a fence; the "
                     "runner cannot see them. Put the include inside the page's own fence."
                 )
+        parsed, tolerances = check_page(text, where)
+        check_rendered_code(text, where)
         try:
-            blocks = extract_from_buffer(io.StringIO(text))
+            blocks = extract_from_buffer(io.StringIO(parsed))
         except RuntimeError as e:
             raise BlockError(f"{where}: {e}") from None
+        checked = [block for block in blocks if block.expected_output is not None]
+        assert len(checked) == len(tolerances), (where, len(checked), len(tolerances))
+        for block, tolerance in zip(checked, tolerances):
+            block.tolerance = tolerance
 
         shown, items = [], []
         for block in blocks:
@@ -223,8 +375,6 @@ class CodeBlock(pytest.Item):
 
     def runtest(self):
         block = self.block
-        if block.importorskip:
-            pytest.importorskip(block.importorskip)
         if self.kind == "unrunnable":
             raise BlockError(
                 f"{self.where}: a ```{self.lang or ''} block is neither run nor marked. Use a "
@@ -253,10 +403,17 @@ class CodeBlock(pytest.Item):
             got = out
             if block.expected_output_ignore_whitespace:
                 expected, got = re.sub(r"\s+", "", expected), re.sub(r"\s+", "", got)
-            if expected != got:
+            tolerance = getattr(block, "tolerance", None)
+            if tolerance is None:
+                problems = []
+            else:
+                problems = compare_output(expected, got, *tolerance)
+            if problems or (tolerance is None and expected != got):
                 diff = "".join(difflib.unified_diff(
-                    expected.splitlines(True), out.splitlines(True), "expected", "got"))
-                raise BlockError(f"{self.where}: output differs from the page\n{diff}")
+                    expected.splitlines(True), out.splitlines(True), "page", "got"))
+                within = "" if tolerance is None else f" (rtol={tolerance[0]}, atol={tolerance[1]})"
+                raise BlockError(f"{self.where}: output differs from the page{within}\n"
+                                 + "\n".join(problems) + f"\n{diff}")
 
     def parse_data(self, code: str):
         try:

@@ -191,3 +191,94 @@ def test_cuda_blocks_skip_with_reason_or_fail_when_required(tmp_path, require, m
         assert result.returncode == 1 and "REQUIRE_GPU=1" in result.stdout
     else:
         assert result.returncode == 0 and "needs CUDA: FP8 matmul" in result.stdout
+
+
+def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
+    """Each page would let a block pass without running it; the runner refuses each with the fix.
+    One pytest run for all of them: a page's refusal is its own collection error."""
+    block = "```python\nraise SystemExit(1)\n```\n"
+    pages = {
+        "skipfile": "<!--pytest-codeblocks:skipfile-->\n" + block,
+        "expect_error": "<!--pytest-codeblocks:expect-error-->\n" + block,
+        "xfail": "<!--pytest.mark.xfail-->\n" + block,
+        "importorskip": "<!--pytest-codeblocks:importorskip(torch)-->\n" + block,
+        "tilde": "~~~python\nraise SystemExit(1)\n~~~\n",
+        "indented": "Some text.\n\n    raise SystemExit(1)\n\nMore text.\n",
+        "bad_tolerance": block + "\n<!--pytest-codeblocks:expected-output(rtol=abc)-->\n```text\n1\n```\n",
+    }
+    result = run_pages(tmp_path, **pages)
+    assert result.returncode != 0
+    for expected in ("skipfile--> skips every block", "expect-error--> counts a failing block",
+                     "pytest.mark.xfail...--> counts a failing block as a pass",
+                     "importorskip(torch)--> turns a missing dependency into a skip",
+                     "tilde.md:1: a ~~~ fence", "indented.md: the site renders 1 code blocks but "
+                     "the page has 0 ``` fences", "expected-output(rtol=abc): write"):
+        assert expected in result.stdout, (expected, result.stdout[-3000:])
+    assert f"{len(pages)} errors" in result.stdout
+    # Blocks inside tabs, admonitions and list items are indented fences, not indented code.
+    nested = run_pages(tmp_path / "nested", page="""
+        === "CPU"
+
+            ```bash
+            echo tab
+            ```
+
+        ??? note "Solution"
+
+            ```bash
+            echo admonition
+            ```
+
+        1. A step.
+
+            ```bash
+            echo list
+            ```
+        """)
+    assert nested.returncode == 0 and "3 passed" in nested.stdout, nested.stdout[-2000:]
+
+
+def test_expected_output_with_a_numeric_tolerance(tmp_path):
+    """rtol/atol apply to numbers with a decimal point or exponent; integers and words must match;
+    a number beyond its bound fails and the message shows both values and the bound."""
+    printed = 'print("step 20 | loss 4.8800 | lr 1.00e-03")'
+    result = run_pages(tmp_path, page=f"""
+        ```python
+        {printed}
+        ```
+
+        <!--pytest-codeblocks:expected-output(rtol=0.01)-->
+        ```text
+        step 20 | loss 4.8700 | lr 1.00e-03
+        ```
+
+        ```python
+        {printed}
+        ```
+
+        <!--pytest-codeblocks:expected-output(rtol=0.01)-->
+        ```text
+        step 20 | loss 4.7800 | lr 1.00e-03
+        ```
+
+        ```python
+        {printed}
+        ```
+
+        <!--pytest-codeblocks:expected-output(rtol=0.5)-->
+        ```text
+        step 21 | loss 4.8800 | lr 1.00e-03
+        ```
+
+        ```python
+        {printed}
+        ```
+
+        <!--pytest-codeblocks:expected-output(atol=0.1)-->
+        ```text
+        step 20 | loss 4.9500 | lr 1.00e-03
+        ```
+        """)
+    assert "2 failed, 2 passed" in result.stdout, result.stdout[-3000:]
+    assert "page 4.7800, got 4.8800: differs by 0.1 > bound 0.0478" in result.stdout
+    assert "the text around the numbers differs" in result.stdout  # step 21: an integer

@@ -17,7 +17,6 @@ from snippets.cluster.deepspeed.train_deepspeed import (STAGES, global_batches, 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 
-pytest.importorskip("deepspeed", reason="deepspeed is not installed (pyproject.toml pins it)")
 needs_compiler = pytest.mark.skipif(
     shutil.which("c++") is None and not torch.cuda.is_available(),
     reason="DeepSpeed's CPU accelerator JIT-compiles a C++ op at start-up: install g++")

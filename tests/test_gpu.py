@@ -1,8 +1,12 @@
 """The CUDA/NCCL part of the suite: run by `make test-gpu` on a GPU machine (the GPU workflow).
 
 Elsewhere every test here is skipped with its reason; under REQUIRE_GPU=1 a missing GPU fails.
-Tests that need two GPUs (NCCL refuses two ranks on one device) skip on a one-GPU machine.
+Tests that need two GPUs (NCCL refuses two ranks on one device) skip on a one-GPU machine, except
+under REQUIRE_GPU=1 (`make test-gpu`, the GPU runner), where they fail: a GPU run can never pass by
+skipping, so the GPU runner needs two GPUs.
 """
+
+import os
 
 import math
 
@@ -18,9 +22,13 @@ pytestmark = pytest.mark.cuda(reason="CUDA/NCCL tests for the GPU runner")
 
 
 def need_gpus(n):
-    if torch.cuda.device_count() < n:
-        pytest.skip(f"needs {n} GPUs (NCCL runs one rank per GPU); this machine has "
-                    f"{torch.cuda.device_count()}")
+    have = torch.cuda.device_count()
+    if have >= n:
+        return
+    why = f"needs {n} GPUs (NCCL runs one rank per GPU); this machine has {have}"
+    if os.environ.get("REQUIRE_GPU") == "1":
+        pytest.fail(f"REQUIRE_GPU=1: {why}; run `make test-gpu` on a machine with {n} GPUs")
+    pytest.skip(why)
 
 
 def nccl_ring(rank, world_size):

@@ -7,10 +7,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not installed "
-                    "(pyproject.toml's test extra pins it)")
-
-from snippets.cluster.k8s.validate import (ManifestError, check_indexed_job, check_pytorchjob,  # noqa: E402
+from snippets.cluster.k8s.validate import (ManifestError, check_indexed_job, check_pytorchjob,
                                            load_manifests, validate_core, validate_file,
                                            validate_pytorchjob)
 

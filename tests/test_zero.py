@@ -154,15 +154,21 @@ def assert_close(ours: dict, reference: dict, start: dict, rel: float):
 
 # Why these tolerances. Not bit-exact: each rank's loss is a mean over its slice and the ranks'
 # gradients are then averaged, the same sum in a different order (a few ulps, relative ~1e-7).
-# - Adam's first moment is a running mean of the gradient, so it inherits that relative error:
-#   measured 2e-6 of its largest value; we allow 1e-5. It is also proportional to the gradient,
-#   so a gradient summed instead of averaged (2x) fails, which the update alone could hide.
 # - The weights: Adam divides each element's update by that element's own gradient size, so
 #   where a gradient is nearly zero (terms that cancel) the rounding noise becomes a visible
-#   difference in the update: measured 2.4e-4 of the distance training moved the weights. We
-#   allow 1e-3. A real bug (a shard updated twice, a stale gather, a missing shard) is off by a
-#   whole step of about lr = 1e-2, a third of that distance.
-WEIGHTS_REL, MOMENTS_REL = 1e-3, 1e-5
+#   difference in the update: measured 3.0e-4 of the distance training moved the weights (2 and 4
+#   ranks, every stage). We allow 1e-3. A real bug (a shard updated twice, a stale gather, a
+#   missing shard) is off by a whole step of about lr = 1e-2, a third of that distance.
+# - Adam's first moment is a running mean of the gradient. Step 1's gradients differ by rounding
+#   only, but steps 2 and 3 are taken at weights that already differ (by the 3e-4 above), so the
+#   moments differ by more than rounding: measured 4.5e-6 (2 ranks) and 1.02e-5 (4 ranks) of the
+#   largest moment. What the check must catch is a wrong scale: a gradient summed instead of
+#   averaged makes the moments N times too large, an error of (N - 1) >= 1 times their size, which
+#   Adam's update hides (it divides by the gradient's own scale). 1e-3 sits 100x above the
+#   measured difference and 1000x below that bug. Planted once in all three stages (the division
+#   by the world size deleted), with the weight check switched off: the moments differed by 1.0x
+#   (2 ranks) and 3.0x (4 ranks) of the largest moment, and both tests failed.
+WEIGHTS_REL, MOMENTS_REL = 1e-3, 1e-3
 # --8<-- [end:assert-close]
 
 
