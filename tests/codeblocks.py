@@ -58,7 +58,18 @@ RUN_LANGS = {"python": "python", "py": "python", "bash": "bash", "sh": "bash", "
 DATA_LANGS = {"json", "yaml", "yml", "toml"}
 SHOWN_LANGS = {"text", "mermaid", "markdown", "md"}
 TIMEOUT_S = int(os.environ.get("CODEBLOCK_TIMEOUT", "600"))
-IMPORTED: set = set()  # (module, mtime) pairs whose import already succeeded this session
+IMPORTED: dict = {}  # (module, mtime) -> None if its import succeeded, else the error
+IMPORT_ONE = """
+import importlib, json, sys, traceback
+results = {}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()
+print("IMPORT-RESULTS " + json.dumps(results))
+"""
 INCLUDE = re.compile(r"""^\s*-{1,}8<-{1,}\s+["']([^"']+)["']\s*$""")
 OUTPUT_TAIL = 6000  # characters of stdout/stderr shown for a failing block
 MARKER = re.compile(r"^(\s*)<!--[-\s]*pytest-codeblocks:(.*?)[-\s]*-->\s*$")
@@ -298,6 +309,40 @@ def compare_output(expected: str, got: str, rtol: float, atol: float) -> list[st
     return problems
 
 
+@functools.cache
+def excerpt_modules() -> frozenset:
+    """Every module an excerpt block of the pages includes part of."""
+    modules = set()
+    for page in DOCS.rglob("*.md"):
+        lines = page.read_text(encoding="utf-8").splitlines()
+        for i, line in enumerate(lines):
+            if "pytest.mark.excerpt" in line:
+                for following in lines[i + 1:i + 6]:
+                    for path in included_files(following):
+                        if path.suffix == ".py" and path.is_file():
+                            modules.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
+    return frozenset(modules)
+
+
+def import_modules(modules) -> None:
+    """Import the modules in one fresh process; record each one's success or error."""
+    names = sorted(modules)
+    proc = subprocess.run([sys.executable, "-c", IMPORT_ONE, *names], cwd=ROOT, env=reader_env(),
+                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    found = [line for line in proc.stdout.splitlines() if line.startswith("IMPORT-RESULTS ")]
+    results = json.loads(found[-1].removeprefix("IMPORT-RESULTS ")) if found else {}
+    for name in names:
+        path = module_file(name)
+        if path is not None:
+            # Not in the results (the process died): marked failed, so it is imported alone.
+            IMPORTED[(name, path.stat().st_mtime_ns)] = results.get(name, "not imported")
+
+
+def module_file(name: str) -> Path | None:
+    path = ROOT.joinpath(*name.split(".")).with_suffix(".py")
+    return path if path.is_file() else None
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--codeblocks-docs", default=str(DOCS), metavar="DIR",
@@ -438,13 +483,17 @@ class CodeBlock(pytest.Item):
         for path in included_files(raw_code):
             if path.suffix == ".py":
                 module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-                # A page often shows several parts of one module: import it once per session
-                # (a fresh process costs a torch import), unless the file changed since.
+                # Pages show parts of 55 modules: import them all in one fresh process, the
+                # first time any is needed, instead of paying a torch import for each (a
+                # changed file is imported again). A module that fails there is imported once
+                # more alone, so another module's import cannot have caused or hidden it.
                 key = (module, path.stat().st_mtime_ns)
                 if key not in IMPORTED:
+                    import_modules(excerpt_modules() | {module})
+                if IMPORTED.get(key) is not None:
                     run_process([sys.executable, "-c", f"import {module}"],
                                 f"{self.where} (import {module})", f"import {module}")
-                    IMPORTED.add(key)
+                    IMPORTED[key] = None
             elif path.suffix == ".sh" or self.lang in {"bash", "sh"}:
                 run_process(["bash", "-n", str(path)], f"{self.where} (bash -n {path.name})", "")
             elif path.suffix in {".json", ".yaml", ".yml", ".toml"}:

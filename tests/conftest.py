@@ -19,7 +19,8 @@ def free_port() -> int:
 
 
 def mkdocs(*args, cwd=ROOT, timeout=600, **env) -> subprocess.CompletedProcess:
-    """Run mkdocs with this interpreter; never uses the lesson cache (a test must see fresh output)."""
+    """Run mkdocs with this interpreter; without the lesson cache unless the caller passes one (a
+    test must see fresh output)."""
     full_env = {**os.environ, "LESSON_CACHE": "false", "NO_MKDOCS_2_WARNING": "1", **env}
     return subprocess.run(
         [sys.executable, "-m", "mkdocs", *args], cwd=cwd, env=full_env,
@@ -28,15 +29,23 @@ def mkdocs(*args, cwd=ROOT, timeout=600, **env) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="session")
-def built_site(tmp_path_factory, worker_id) -> Path:
+def lesson_cache(tmp_path_factory, worker_id) -> Path:
+    """A lesson cache that starts empty in every test run: the one site build executes every
+    lesson (fresh output, as CI needs) and fills it; `mkdocs serve` then reuses those lessons."""
+    base = tmp_path_factory.getbasetemp()
+    return (base if worker_id == "master" else base.parent) / "lesson-cache"
+
+
+@pytest.fixture(scope="session")
+def built_site(tmp_path_factory, worker_id, lesson_cache) -> Path:
     """`mkdocs build --strict` of the real site, executing every lesson: once per test run, shared
     by the pytest-xdist workers (the first to need it builds; the others wait on the lock)."""
-    base = tmp_path_factory.getbasetemp()
-    shared = base if worker_id == "master" else base.parent
+    shared = lesson_cache.parent
     site, failed = shared / "site", shared / "site-build-failed.txt"
     with FileLock(str(shared / "site.lock")):
         if not failed.exists() and not (site / "index.html").exists():
-            result = mkdocs("build", "--strict", "--site-dir", str(site))
+            result = mkdocs("build", "--strict", "--site-dir", str(site), LESSON_CACHE="true",
+                            LESSON_CACHE_DIR=str(lesson_cache))
             if result.returncode != 0:
                 failed.write_text(f"{result.stdout}\n{result.stderr}")
         if failed.exists():

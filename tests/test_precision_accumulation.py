@@ -116,3 +116,16 @@ def test_median_seconds_times_every_candidate():
                             repeats=3, warmup=1)
     assert set(result) == {"a", "b"}
     assert calls == ["a", "b"] * 4  # interleaved, warm-up round included
+
+
+def test_median_seconds_stops_after_three_rounds_once_over_budget():
+    ticks = iter(range(1000))  # a fake clock: every call takes one second
+    calls = []
+    result = median_seconds({"slow": lambda: calls.append(1)}, repeats=15, warmup=1,
+                            clock=lambda: next(ticks), budget_s=2.5)
+    assert len(calls) == 4 and result == {"slow": 1}  # warm-up + 3 measured, not 15
+    ticks = iter(range(1000))
+    calls.clear()
+    median_seconds({"fast": lambda: calls.append(1)}, repeats=15, warmup=1,
+                   clock=lambda: next(ticks) * 1e-3, budget_s=2.5)
+    assert len(calls) == 16  # within budget: every round runs

@@ -1,5 +1,6 @@
 """The site builds strictly, references nothing outside itself, and `mkdocs serve` serves it."""
 
+import os
 import re
 import subprocess
 import sys
@@ -93,13 +94,17 @@ def test_missing_snippet_section_fails_the_build(tmp_path):
     assert "pick-the-device" in result.stdout + result.stderr
 
 
-def test_make_serve_command_serves_home_page():
+def test_make_serve_command_serves_home_page(built_site, lesson_cache):
+    """`make serve`'s command, with the lesson cache the test build has just filled: every lesson
+    is a cache hit (keyed on its own inputs), so the server answers without executing one."""
     port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{port}", "--no-livereload"],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={"LESSON_CACHE": "true", "NO_MKDOCS_2_WARNING": "1", **__import__("os").environ},
+        env={**os.environ, "LESSON_CACHE": "true", "LESSON_CACHE_DIR": str(lesson_cache),
+             "NO_MKDOCS_2_WARNING": "1"},
     )
+    lessons = len(list((ROOT / "lessons_src").glob("*.py")))
     try:
         deadline, html = time.time() + 300, None
         while time.time() < deadline and server.poll() is None:
@@ -114,3 +119,6 @@ def test_make_serve_command_serves_home_page():
     finally:
         server.terminate()
         server.wait(timeout=30)
+    log = server.stdout.read()
+    assert log.count("Cache hit") == lessons, log[-3000:]
+    assert len(list(lesson_cache.glob("*.json"))) == lessons  # nothing evicted, nothing added

@@ -1,42 +1,96 @@
-"""MkDocs hook: key the executed lessons' cache on the code they import.
+"""MkDocs hook: key each executed lesson's cache on the code it runs, and never throw it away.
 
 The lessons live in `lessons_src/` beside `snippets/` (each a plain runnable script); `docs/lessons`
 is a symlink to that folder, so mkdocs-jupyter finds them as `lessons/<name>.py`.
 
-mkdocs-jupyter's cache keys only on the lesson file. A lesson's output also depends on the code it
-imports from `snippets/`, so the hook points the cache at a directory named after a digest of
-`snippets/`: change any snippet and every lesson executes again.
+mkdocs-jupyter's cache keys only on the lesson file, but a lesson's output also depends on the code
+it runs from `snippets/`. The hook adds to each lesson's key a digest of its inputs: the snippets
+modules it imports, followed import by import, the scripts it names in strings (`torchrun
+snippets/x.py`, `python -m snippets.x`), and the data files beside those modules (a model's
+`config.json`). So editing one snippet re-executes only the lessons that use it.
+
+The cache is never deleted: mkdocs-jupyter evicts every entry the current build did not use, so
+undoing an edit would execute the lessons again; the hook turns that off. `LESSON_CACHE_DIR`
+moves the cache (the tests point it at a fresh directory, so `mkdocs serve` reuses the lessons
+that the test build has just executed).
 """
 
+import ast
 import hashlib
+import os
 import re
-import shutil
 from pathlib import Path
+
+import mkdocs_jupyter.plugin as jupyter_plugin
 
 
 ROOT = Path(__file__).resolve().parents[2]
 SNIPPETS = ROOT / "snippets"
+NAMED = re.compile(r"\bsnippets(?:[./][A-Za-z_][A-Za-z0-9_]*)+")
 
 
-def snippets_digest() -> str:
+def module_file(name: str) -> Path | None:
+    """`snippets.a.b` or `snippets/a/b.py` -> the file, or None if it is not one."""
+    parts = name.removesuffix(".py").replace("/", ".").split(".")
+    for candidate in (ROOT.joinpath(*parts).with_suffix(".py"), ROOT.joinpath(*parts, "__init__.py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def snippets_used(path: Path) -> set[Path]:
+    """The snippets files a script imports or names, followed through their own imports."""
+    seen, todo = set(), [path]
+    while todo:
+        source = todo.pop().read_text(encoding="utf-8")
+        names = set(NAMED.findall(source))  # imports, and scripts named in strings
+        try:
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names.update(f"{node.module}.{alias.name}" for alias in node.names)
+                    names.add(node.module)
+        except SyntaxError:
+            pass
+        for name in names:
+            parts = name.replace("/", ".").removesuffix(".py").split(".")
+            for i in range(1, len(parts) + 1):  # snippets, snippets.a, snippets.a.b: each runs
+                found = module_file(".".join(parts[:i]))
+                if found and found not in seen:
+                    seen.add(found)
+                    todo.append(found)
+    return seen
+
+
+def inputs_digest(lesson: Path) -> str:
+    modules = snippets_used(lesson)
+    data = {p for m in modules for p in m.parent.iterdir()
+            if p.is_file() and p.suffix not in {".py", ".pyc"}}
     h = hashlib.sha256()
-    for path in sorted(SNIPPETS.rglob("*")):
-        if path.is_file() and "__pycache__" not in path.parts:
-            h.update(str(path.relative_to(ROOT)).encode())
-            h.update(path.read_bytes())
-    return h.hexdigest()[:16]
+    for path in sorted(modules | data):
+        h.update(str(path.relative_to(ROOT)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+_stock_cache_key = jupyter_plugin._compute_cache_key
+
+
+def cache_key_with_inputs(nb_path, config, exec_nb):
+    stock = _stock_cache_key(nb_path, config, exec_nb)
+    return hashlib.sha256(f"{stock}{inputs_digest(Path(nb_path))}".encode()).hexdigest()
+
+
+jupyter_plugin._compute_cache_key = cache_key_with_inputs
 
 
 def on_config(config):
     jupyter = config.plugins.get("mkdocs-jupyter")
     if jupyter is not None and jupyter.config["cache"]:
-        base = ROOT / ".cache" / "mkdocs-jupyter"
-        current = base / snippets_digest()
-        if base.is_dir():  # outputs made with older snippets can never be hit again
-            for old in base.iterdir():
-                if old != current:
-                    shutil.rmtree(old, ignore_errors=True)
-        jupyter.config["cache_dir"] = str(current)
+        jupyter.config["cache_dir"] = os.environ.get(
+            "LESSON_CACHE_DIR", str(ROOT / ".cache" / "mkdocs-jupyter"))
+        # mkdocs-jupyter's on_post_build deletes the entries this build did not use.
+        events = config.plugins.events["post_build"]
+        events[:] = [e for e in events if getattr(e, "__self__", None) is not jupyter]
     return config
 
 
