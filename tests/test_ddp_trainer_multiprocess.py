@@ -24,10 +24,13 @@ def train(world_size, batch_size, accum, steps=STEPS, resume_from=None, save_to=
     if resume_from:
         trainer.load_checkpoint(resume_from)
     batches = trainer.micro_batches()
-    losses = [trainer.train_step(batches)["loss"] for _ in range(steps)]
+    stats = [trainer.train_step(batches) for _ in range(steps)]
     if save_to:
         trainer.save_checkpoint_once(save_to)
-    return losses, {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    moments = {n: trainer.optimizer.state[p]["exp_avg"].clone()
+               for n, p in trainer.raw_model.named_parameters()}
+    return ([s["loss"] for s in stats], {k: v.clone() for k, v in trainer.raw_model.state_dict().items()},
+            [s["grad_norm"] for s in stats], moments)
 
 
 def ddp_worker(rank, world_size, batch_size, accum, steps=STEPS, resume_from=None, save_to=None):
@@ -35,14 +38,27 @@ def ddp_worker(rank, world_size, batch_size, accum, steps=STEPS, resume_from=Non
     return train(world_size, batch_size, accum, steps, resume_from, save_to)
 
 
+# Why these tolerances. Not bit-exact: the gradient is averaged over ranks (and micro-batches)
+# instead of taken over one batch, a different order of fp32 sums.
+# - Losses and weights: AdamW turns rounding-level gradient differences into weight differences
+#   of ~1e-6 here, far below an update (~3e-3). But Adam divides out the gradient's scale, and
+#   clipping rescales it, so a gradient twice too large (a sum over ranks or micro-batches instead
+#   of a mean) trains the same weights: these two checks cannot see it.
+# - The gradient norm (before clipping) and AdamW's first moment are proportional to the
+#   gradient: that bug makes them N times too large, an error of (N - 1) >= 1 times their size.
+#   Rounding moves them by ~1e-6 relative. 1e-3 of their size sits far from both.
+SCALE_REL = 1e-3
+
+
 def assert_close_runs(a, b):
-    # Not bit-exact: the gradient is averaged over ranks (and micro-batches) instead of taken
-    # over one batch, a different order of fp32 sums; AdamW turns rounding-level gradient
-    # differences into weight differences of ~1e-6 here, far below an update (~3e-3).
     for loss_a, loss_b in zip(a[0], b[0]):
         assert loss_a == pytest.approx(loss_b, abs=1e-5)
     for name in a[1]:
         torch.testing.assert_close(a[1][name], b[1][name], rtol=0, atol=1e-5, msg=name)
+    assert a[2] == pytest.approx(b[2], rel=SCALE_REL), "gradient norms differ"
+    largest = max(m.abs().max().item() for m in b[3].values())
+    worst = max((a[3][n] - b[3][n]).abs().max().item() for n in b[3])
+    assert worst < SCALE_REL * largest, f"AdamW exp_avg differs by {worst:.2e} (largest {largest:.2e})"
 
 
 @pytest.mark.parametrize("world_size, accum", [(2, 1), (2, 2), (4, 1)])

@@ -44,9 +44,23 @@ def full_state(trainer) -> dict:
     return {k: v.clone() for k, v in get_model_state_dict(trainer.model, options=options).items()}
 
 
-def train(trainer, steps: int) -> list[float]:
-    batches = trainer.micro_batches()
-    return [trainer.train_step(batches)["loss"] for _ in range(steps)]
+def first_moments(trainer) -> dict:
+    """AdamW's exp_avg of every parameter, unsharded, by name (a collective)."""
+    options = StateDictOptions(full_state_dict=True)
+    state = get_optimizer_state_dict(trainer.raw_model, trainer.optimizer, options=options)
+    return {n: s["exp_avg"].clone() for n, s in state["state"].items()}
+
+
+def train(trainer, steps: int, grad_norms: list | None = None) -> list[float]:
+    """The losses of `steps` steps; appends each step's gradient norm (before clipping) to
+    `grad_norms` if given."""
+    batches, losses = trainer.micro_batches(), []
+    for _ in range(steps):
+        stats = trainer.train_step(batches)
+        losses.append(stats["loss"])
+        if grad_norms is not None:
+            grad_norms.append(stats["grad_norm"])
+    return losses
 
 
 @functools.cache
@@ -58,14 +72,15 @@ def initial_weights() -> dict:
 def single_process() -> dict:
     """The reference: one process, no sharding, the whole global batch each step."""
     trainer = DistributedTrainer(MODEL, train_config(1))
-    losses = train(trainer, 2)
+    grad_norms = []
+    losses = train(trainer, 2, grad_norms)
     options = StateDictOptions(full_state_dict=True)  # AdamW's state keyed by parameter name
     after_two = {"state": {k: v.clone() for k, v in trainer.raw_model.state_dict().items()},
                  "optimizer": copy.deepcopy(get_optimizer_state_dict(
                      trainer.raw_model, trainer.optimizer, options=options))}  # live tensors
-    losses += train(trainer, STEPS - 2)
-    return {"losses": losses, "after two steps": after_two,
-            "state": trainer.raw_model.state_dict()}
+    losses += train(trainer, STEPS - 2, grad_norms)
+    return {"losses": losses, "grad_norms": grad_norms, "after two steps": after_two,
+            "state": trainer.raw_model.state_dict(), "moments": first_moments(trainer)}
 
 
 # --8<-- [start:assert-close]
@@ -86,6 +101,15 @@ def assert_close(state: dict, reference: dict, what: str, start: dict | None = N
     moved = max((reference[n] - start[n]).abs().max().item() for n in reference)
     worst = max((state[n].float() - reference[n]).abs().max().item() for n in reference)
     assert worst < rel * moved, f"{what}: differs by {worst:.2e}; training moved {moved:.2e}"
+
+
+# Adam's update divides out the gradient's scale, so a gradient summed over the ranks instead of
+# averaged (2x here) trains nearly the same weights; the first moment and the gradient norm are
+# proportional to the gradient and come out 2x, an error as large as themselves (unless the
+# gradient was clipped: then only the norm, measured before clipping, shows it). Rounding, and the weights
+# of steps 2-3 already differing by the 1.8e-4 above, move it by ~1e-5 of its largest value.
+# 1e-3 of the largest moment sits 100x above that and 1000x below the bug.
+MOMENTS_REL = 1e-3
 # --8<-- [end:assert-close]
 
 
@@ -94,7 +118,9 @@ def two_process_worker(rank, world_size, tmp):
     seen = {}
     for strategy in ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"):
         trainer = FSDPTrainer(MODEL, train_config(world_size), FSDPConfig(strategy))
-        seen[strategy] = {"losses": train(trainer, STEPS), "state": full_state(trainer),
+        grad_norms = []
+        seen[strategy] = {"losses": train(trainer, STEPS, grad_norms), "state": full_state(trainer),
+                          "grad_norms": grad_norms, "moments": first_moments(trainer),
                           "stored": trainer.local_parameter_count()}
 
     # Checkpoints: save both kinds after 2 steps, take a 3rd step; then two fresh trainers
@@ -180,8 +206,15 @@ def reference():
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
 def test_every_strategy_equals_single_process_adamw(two_processes, reference, strategy):
     ranks, _ = two_processes
+    zeros = {n: torch.zeros_like(m) for n, m in reference["moments"].items()}
     for rank in ranks:
         assert_close(rank[strategy]["state"], reference["state"], strategy)
+        # AdamW's update hides a gradient twice too large, and so does clipping it to norm 1
+        # (grad_clip): the moments then agree too. The norm before clipping does not.
+        assert rank[strategy]["grad_norms"] == pytest.approx(reference["grad_norms"],
+                                                             rel=MOMENTS_REL)
+        assert_close(rank[strategy]["moments"], reference["moments"], f"{strategy} exp_avg",
+                     start=zeros, rel=MOMENTS_REL)
     # The loss each step reports is the global batch's: the mean of the two ranks' losses.
     assert ranks[0][strategy]["losses"] == pytest.approx(reference["losses"], rel=1e-5)
 # --8<-- [end:equals-single-process]
@@ -208,15 +241,13 @@ def test_full_checkpoint_is_a_plain_gpt_state_dict(two_processes, reference):
     plain = GPT(MODEL)
     plain.load_state_dict(state["model"])  # strict: every key, every full shape
     assert state["step"] == 2
-    # AdamW's first moments, gathered by name. Adam's update hides a gradient twice too large
-    # (it divides by the gradient's own scale); the moment is proportional to it and does not.
-    # The moments inherit the gradients' relative rounding (~1e-7): 1e-5 of their size allowed.
+    # AdamW's first moments, gathered by name (the bound: MOMENTS_REL).
     expected = reference["after two steps"]["optimizer"]
     moments = {n: s["exp_avg"] for n, s in state["optimizer"]["state"].items()}
     assert set(moments) == set(expected["state"]) and "embed_tokens.weight" in moments
     assert_close(moments, {n: s["exp_avg"] for n, s in expected["state"].items()},
                  "AdamW exp_avg", start={n: torch.zeros_like(m) for n, m in moments.items()},
-                 rel=1e-5)
+                 rel=MOMENTS_REL)
 
 
 def test_resuming_either_checkpoint_continues_identically(two_processes):

@@ -12,6 +12,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
+from snippets.scratch.zero_check import full_moments, moment_shards
 from snippets.scratch.zero import (
     CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
     expected_traffic_bytes, model_state_bytes)
@@ -39,14 +40,6 @@ def train(model, optimizer, batches, comm=None, measure=None):
         seen = measure() if measure else None
         optimizer.zero_grad()
     return seen
-
-
-def moments_by_name(shards, optimizer, flats, names):
-    """This rank's slice of AdamW's first moment, per flat buffer, with the parameter names:
-    exp_avg is proportional to the averaged gradient, so it catches what Adam's normalised
-    update would hide (a gradient summed instead of averaged)."""
-    return [([names[id(p)] for p in flat.params], flat.sizes,
-             optimizer.state[shard]["exp_avg"].clone()) for shard, flat in zip(shards, flats)]
 
 
 def make_odd_model():
@@ -97,26 +90,24 @@ def zero_worker(rank, world_size, stages, compare_with_torch=False):
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        names = {id(p): n for n, p in model.named_parameters()}
         comm = CommStats()
         if stage == 1:
             optimizer = ZeRO1Optimizer(model.parameters(), comm=comm, **ADAMW)
-            net, shards, flats = model, [optimizer.shard], [optimizer.flat]
+            net, flats = model, [optimizer.flat]
         elif stage == 2:  # small buckets, so the tiny GPT has several
             optimizer = ZeRO2Optimizer(model.parameters(), comm=comm, bucket_cap_mb=0.1, **ADAMW)
-            net, shards, flats = model, optimizer.shards, optimizer.buckets
+            net, flats = model, optimizer.buckets
         else:
             net = ZeRO3(model, comm=comm)
             optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
-            shards, flats = net.parameters(), [unit.flat for unit in net.units]
+            flats = [unit.flat for unit in net.units]
         shard_batches = [b.chunk(world_size)[rank] for b in global_batches()]  # this rank's slice
         held, traffic = train(net, optimizer, shard_batches, comm, measure=lambda: (
             model_state_bytes(model, optimizer), dict(comm.bytes)))
-        inner = getattr(optimizer, "optimizer", optimizer)
         results[stage] = {
             "state": net.full_state_dict() if stage == 3 else
             {n: p.detach().clone() for n, p in model.named_parameters()},
-            "moments": moments_by_name(shards, inner, flats, names),
+            "moments": moment_shards(stage, model, net, optimizer),
             "held": held, "traffic": traffic,
             "padded_numel": sum(flat.full.numel() for flat in flats),
         }
@@ -131,15 +122,6 @@ def single_process():
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: s["exp_avg"] for p, s in optimizer.state.items()}
     return {n: p.detach() for n, p in model.named_parameters()}, moments
-
-
-def full_moments(per_rank_moments):
-    """Put each flat buffer's shards from all ranks end to end and split it into parameters."""
-    out = {}
-    for i, (names, sizes, _) in enumerate(per_rank_moments[0]):
-        flat = torch.cat([rank_moments[i][2] for rank_moments in per_rank_moments])
-        out.update(zip(names, flat[:sum(sizes)].split(sizes)))
-    return out
 
 
 # --8<-- [start:assert-close]
