@@ -309,19 +309,11 @@ def compare_output(expected: str, got: str, rtol: float, atol: float) -> list[st
     return problems
 
 
-@functools.cache
+EXCERPT_MODULES: set = set()  # the modules the collected pages' excerpt blocks include from
+
+
 def excerpt_modules() -> frozenset:
-    """Every module an excerpt block of the pages includes part of."""
-    modules = set()
-    for page in DOCS.rglob("*.md"):
-        lines = page.read_text(encoding="utf-8").splitlines()
-        for i, line in enumerate(lines):
-            if "pytest.mark.excerpt" in line:
-                for following in lines[i + 1:i + 6]:
-                    for path in included_files(following):
-                        if path.suffix == ".py" and path.is_file():
-                            modules.add(".".join(path.relative_to(ROOT).with_suffix("").parts))
-    return frozenset(modules)
+    return frozenset(EXCERPT_MODULES)
 
 
 def import_modules(modules) -> None:
@@ -391,6 +383,10 @@ class MarkdownPage(pytest.File):
                     )
             if "excerpt" in names:
                 kind = "excerpt"
+                EXCERPT_MODULES.update(
+                    ".".join(path.relative_to(ROOT).with_suffix("").parts)
+                    for path in included_files(block.code)
+                    if path.suffix == ".py" and path.is_file() and ROOT in path.parents)
             elif lang in RUN_LANGS:
                 kind = "run"
             elif lang in DATA_LANGS:
@@ -483,8 +479,8 @@ class CodeBlock(pytest.Item):
         for path in included_files(raw_code):
             if path.suffix == ".py":
                 module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
-                # Pages show parts of 55 modules: import them all in one fresh process, the
-                # first time any is needed, instead of paying a torch import for each (a
+                # Pages show parts of 55 modules: import all those of the collected pages in one
+                # fresh process, the first time any is needed, instead of paying a torch import for each (a
                 # changed file is imported again). A module that fails there is imported once
                 # more alone, so another module's import cannot have caused or hidden it.
                 key = (module, path.stat().st_mtime_ns)

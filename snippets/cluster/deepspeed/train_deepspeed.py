@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -34,6 +35,17 @@ CONFIG_DIR = Path(__file__).resolve().parent
 # time it starts, which takes minutes on a small machine; keeping the build in the checkout's
 # build/ folder makes every later start skip it. `make test` builds it once at install time.
 JIT_CACHE = CONFIG_DIR.parents[2] / "build" / "torch_extensions"
+
+
+def use_jit_cache() -> None:
+    """Build DeepSpeed's CPU op into build/torch_extensions, always with the ninja installed
+    beside this interpreter (pip's, a DeepSpeed dependency). A system ninja of another version
+    does not trust the other's build log and compiles the op again, 35-100 s on 2 cores: that
+    happened whenever a test ran with .venv/bin first on PATH after `make` had built without."""
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(JIT_CACHE))
+    here = str(Path(sys.executable).parent)
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != here:
+        os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
 STAGES = ("zero1", "zero2", "zero3", "zero3_offload")
 
 
@@ -73,7 +85,7 @@ def train(ds_config: dict, steps: int, context: int = 32, seed: int = 0, log=pri
     Returns the DeepSpeed engine and the global loss of each step (the mean over ranks, which
     equals the loss one process computes on the whole global batch).
     """
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(JIT_CACHE))
+    use_jit_cache()
     import deepspeed  # imported here: importing it prints accelerator detection messages
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -98,7 +110,7 @@ def train(ds_config: dict, steps: int, context: int = 32, seed: int = 0, log=pri
 
 def prebuild_ops() -> str:
     """Compile, now, the op DeepSpeed would JIT-compile when the first job starts (CPU only)."""
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(JIT_CACHE))
+    use_jit_cache()
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
