@@ -394,6 +394,8 @@ class MarkdownPage(pytest.File):
             elif lang in SHOWN_LANGS and not marks:
                 shown.append(f"{where}:{block.lineno}")
                 continue
+            elif names & {"skip", "skipif"}:
+                kind = "other"  # a language the runner cannot run, skipped with its reason
             else:
                 kind = "unrunnable"
             item = CodeBlock.from_parent(self, name=f"line {block.lineno} [{lang or 'no language'}]")
@@ -416,7 +418,7 @@ class CodeBlock(pytest.Item):
 
     def runtest(self):
         block = self.block
-        if self.kind == "unrunnable":
+        if self.kind in ("unrunnable", "other"):  # "other" reaches here only unskipped
             raise BlockError(
                 f"{self.where}: a ```{self.lang or ''} block is neither run nor marked. Use a "
                 f"language the runner executes ({', '.join(sorted(RUN_LANGS))}) or checks "
@@ -572,6 +574,7 @@ def pytest_terminal_summary(terminalreporter):
     line("run", "python and bash blocks")
     line("data", "parsed (json, yaml, toml)")
     line("excerpt", "excerpts checked by importing their module")
+    line("other", "other languages (a Dockerfile, ...), skipped with a reason")
     line("unrunnable", "NEITHER RUN NOR MARKED")
     terminalreporter.write_line(f"shown as text or diagrams: {len(_SHOWN)}")
     terminalreporter.write_line(f"skipped: {len(_SKIPS)}")
