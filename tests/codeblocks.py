@@ -103,19 +103,9 @@ class BlockError(Exception):
     """A block failed; the message is shown as the test's failure, without a traceback."""
 
 
-@functools.cache
 def snippet_preprocessor():
     """pymdownx.snippets' preprocessor with the options mkdocs.yml gives it."""
-    import markdown
-    from mkdocs.config import load_config
-
-    config = load_config(str(ROOT / "mkdocs.yml"))
-    options = dict(config["mdx_configs"].get("pymdownx.snippets", {}))
-    options["base_path"] = [str(ROOT / p) for p in options.get("base_path", ["."])]
-    md = markdown.Markdown(
-        extensions=["pymdownx.snippets"], extension_configs={"pymdownx.snippets": options}
-    )
-    return md.preprocessors["snippet"]
+    return site_markdown().preprocessors["snippet"]
 
 
 def expand(code: str) -> str:
@@ -312,10 +302,6 @@ def compare_output(expected: str, got: str, rtol: float, atol: float) -> list[st
 EXCERPT_MODULES: set = set()  # the modules the collected pages' excerpt blocks include from
 
 
-def excerpt_modules() -> frozenset:
-    return frozenset(EXCERPT_MODULES)
-
-
 def import_modules(modules) -> None:
     """Import the modules in one fresh process; record each one's success or error."""
     names = sorted(modules)
@@ -487,7 +473,7 @@ class CodeBlock(pytest.Item):
                 # more alone, so another module's import cannot have caused or hidden it.
                 key = (module, path.stat().st_mtime_ns)
                 if key not in IMPORTED:
-                    import_modules(excerpt_modules() | {module})
+                    import_modules(EXCERPT_MODULES | {module})
                 if IMPORTED.get(key) is not None:
                     run_process([sys.executable, "-c", f"import {module}"],
                                 f"{self.where} (import {module})", f"import {module}")
