@@ -39,7 +39,7 @@ $(STAMP):
 	touch $(STAMP)
 
 serve: $(STAMP)
-	LESSON_CACHE=true $(VENV)/bin/mkdocs serve --dev-addr $(HOST)
+	LESSON_CACHE=true LESSON_BACKGROUND=true $(VENV)/bin/mkdocs serve --dev-addr $(HOST)
 
 build: $(STAMP)
 	LESSON_CACHE=false $(VENV)/bin/mkdocs build --strict

@@ -122,3 +122,68 @@ def test_make_serve_command_serves_home_page(built_site, lesson_cache):
     log = server.stdout.read()
     assert log.count("Cache hit") == lessons, log[-3000:]
     assert len(list(lesson_cache.glob("*.json"))) == lessons  # nothing evicted, nothing added
+
+
+GATED_LESSON = '''# ---
+# jupyter:
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %%
+import os, time
+from pathlib import Path
+
+deadline = time.time() + 120
+while not Path(os.environ["LESSON_GATE"]).exists():
+    assert time.time() < deadline, "the test never opened the gate"
+    time.sleep(0.1)
+print("the lesson", "ran")
+'''
+
+
+def test_serve_answers_before_a_lesson_finishes(tmp_path):
+    """`make serve` (LESSON_BACKGROUND=true) with an empty cache: the pages are served while a lesson
+    still executes, the lesson's page says so, and when it finishes the server rebuilds by itself
+    and the page shows the output. The lesson waits for a file the test writes, so the order is
+    certain on any machine, not a race against a timer."""
+    docs, gate, cache = tmp_path / "docs", tmp_path / "gate", tmp_path / "cache"
+    (docs / "lessons").mkdir(parents=True)
+    (docs / "index.md").write_text("# Home\n\nThe Markdown pages.\n")
+    (docs / "lessons" / "gated.py").write_text(GATED_LESSON)
+    (tmp_path / "mkdocs.yml").write_text(
+        f"site_name: t\nhooks:\n  - {ROOT / 'docs/_hooks/lessons.py'}\nplugins:\n  - mkdocs-jupyter:\n"
+        '      include: ["lessons/*.py"]\n      execute: true\n      cache: true\n')
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "mkdocs", "serve", "--dev-addr", f"127.0.0.1:{port}"],
+        cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "LESSON_CACHE": "true", "LESSON_BACKGROUND": "true",
+             "LESSON_CACHE_DIR": str(cache), "LESSON_GATE": str(gate), "NO_MKDOCS_2_WARNING": "1"},
+    )
+
+    def get(path: str, until, what: str) -> str:
+        deadline = time.time() + 120
+        while time.time() < deadline and server.poll() is None:
+            try:
+                html = urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5).read().decode()
+                if until(html):
+                    return html
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise AssertionError(f"{what} within 120 s; mkdocs serve said:\n"
+                             f"{server.stdout.read() if server.poll() is not None else '(still running)'}")
+
+    try:
+        assert "The Markdown pages." in get("/", lambda h: True, "no answer")
+        page = get("/lessons/gated/", lambda h: True, "no lesson page")
+        assert "running in the background" in page and "the lesson ran" not in page
+        gate.write_text("")
+        get("/lessons/gated/", lambda h: "the lesson ran" in h, "the lesson's output never appeared")
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    assert len(list(cache.glob("*.json"))) == 1

@@ -13,15 +13,23 @@ The cache is never deleted: mkdocs-jupyter evicts every entry the current build 
 undoing an edit would execute the lessons again; the hook turns that off. `LESSON_CACHE_DIR`
 moves the cache (the tests point it at a fresh directory, so `mkdocs serve` reuses the lessons
 that the test build has just executed).
+
+Under `make serve` (`LESSON_BACKGROUND=true`) a lesson without a cache entry does not hold up the
+server: its page shows a note while the lesson executes on a background thread, one at a time.
+mkdocs-jupyter writes the cache entry when it finishes; the server watches the cache folder, so that
+write rebuilds the site and the page reloads with its output.
 """
 
 import ast
 import hashlib
 import os
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
+from html import escape
 from pathlib import Path
 
 import mkdocs_jupyter.plugin as jupyter_plugin
+from mkdocs.structure.toc import get_toc
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,7 +80,7 @@ def inputs_digest(lesson: Path) -> str:
     return h.hexdigest()
 
 
-_stock_cache_key = jupyter_plugin._compute_cache_key
+_stock_cache_key = getattr(jupyter_plugin._compute_cache_key, "stock", jupyter_plugin._compute_cache_key)
 
 
 def cache_key_with_inputs(nb_path, config, exec_nb):
@@ -80,7 +88,17 @@ def cache_key_with_inputs(nb_path, config, exec_nb):
     return hashlib.sha256(f"{stock}{inputs_digest(Path(nb_path))}".encode()).hexdigest()
 
 
+cache_key_with_inputs.stock = _stock_cache_key  # a second load of this hook wraps the stock key once
 jupyter_plugin._compute_cache_key = cache_key_with_inputs
+
+BACKGROUND = os.environ.get("LESSON_BACKGROUND", "false").lower() in {"1", "true"}
+_executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lesson")
+_jobs: dict[Path, Future] = {}  # cache entry -> the execution that writes it
+
+
+def jupyter_cache_dir(config) -> Path | None:
+    jupyter = config.plugins.get("mkdocs-jupyter")
+    return Path(jupyter.config["cache_dir"]) if jupyter is not None and jupyter.config["cache"] else None
 
 
 def on_config(config):
@@ -94,6 +112,52 @@ def on_config(config):
     return config
 
 
+def on_pre_page(page, config, files):
+    """Runs after mkdocs-jupyter's (hooks come after plugins), which made `page.render` execute the
+    lesson and write its cache entry. In the background mode, that render goes to the thread and the
+    page gets a note instead."""
+    cache_dir = jupyter_cache_dir(config)
+    if not (BACKGROUND and cache_dir and page.file.src_uri.startswith("lessons/")):
+        return page
+    jupyter = config.plugins["mkdocs-jupyter"]
+    key = jupyter_plugin._compute_cache_key(page.file.abs_src_path, jupyter.config, jupyter.config["execute"])
+    entry = jupyter_plugin._get_cache_path(str(cache_dir), key)
+    if entry.exists():
+        return page
+    if entry not in _jobs or (_jobs[entry].done() and _jobs[entry].exception() is None):
+        _jobs[entry] = _executor.submit(page.render, config, files)
+    job = _jobs[entry]
+
+    def note(self, config, files):
+        self.content = lesson_note(job)
+        self.toc = get_toc([])
+        self.lesson_note = True
+
+    page.render = note.__get__(page, type(page))
+    return page
+
+
+def lesson_note(job: Future) -> str:
+    if job.done() and job.exception() is not None:
+        detail = escape(str(job.exception()))[-4000:]
+        return (f'<div class="admonition failure"><p class="admonition-title">This lesson failed'
+                f'</p><pre>{detail}</pre><p>Fix it and save: the page reloads.</p></div>')
+    return ('<div class="admonition note"><p class="admonition-title">Executing</p><p>This lesson '
+            'is running in the background; the page reloads with its output when it finishes.'
+            '</p></div>')
+
+
+def on_serve(server, config, builder):
+    """Rebuild when a background lesson writes its cache entry."""
+    cache_dir = jupyter_cache_dir(config)
+    if BACKGROUND and cache_dir:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        server.watch(str(cache_dir))
+        if any(job.done() for job in _jobs.values()):  # finished before the watch began
+            (cache_dir / "ready").write_text("")
+    return server
+
+
 # nbconvert's template puts two loaders into every executed lesson: MathJax 2 from cdnjs (a
 # `<script src>` that mkdocs-jupyter leaves empty) and a Mermaid module imported from cdnjs when a
 # notebook output holds a diagram. The site typesets math with its own KaTeX and draws diagrams with
@@ -105,7 +169,7 @@ NBCONVERT_LOADERS = [
 
 
 def on_page_content(html, page, config, files):
-    if page.file.src_uri.startswith("lessons/"):
+    if page.file.src_uri.startswith("lessons/") and not getattr(page, "lesson_note", False):
         for loader in NBCONVERT_LOADERS:
             html, count = loader.subn("", html)
             if count != 1:
