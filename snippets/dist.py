@@ -9,7 +9,10 @@ from __future__ import annotations
 import os
 import pickle
 import queue as queue_module
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
@@ -17,6 +20,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
 DEFAULT_TIMEOUT_S = 60
 
@@ -55,19 +59,104 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"])  # one GPU per process, chosen by LOCAL_RANK
-    timeout = timedelta(seconds=timeout_s)
+    store = connect_store(env, timeout_s)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if restart == 0:
-        dist.init_process_group(backend, timeout=timeout)
-    else:
+    if restart > 0:
         # After a restart, torchrun's store still holds the dead workers' addresses from the
         # previous attempt; a fresh key prefix keeps the new workers from connecting to them.
-        store = dist.TCPStore(env["master_addr"], env["master_port"], env["world_size"],
-                              is_master=False, timeout=timeout)
-        dist.init_process_group(backend, store=dist.PrefixStore(f"restart{restart}", store),
-                                rank=env["rank"], world_size=env["world_size"], timeout=timeout)
+        store = dist.PrefixStore(f"restart{restart}", store)
+    dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
+                            rank=env["rank"], world_size=env["world_size"],
+                            timeout=timedelta(seconds=timeout_s))
     return env
 # --8<-- [end:init-from-env]
+
+
+# --8<-- [start:connect-store]
+def connect_store(env: dict, timeout_s: float) -> dist.TCPStore:
+    """The job's key-value store at MASTER_ADDR:MASTER_PORT, which every rank must reach first.
+
+    Rank 0 hosts it and waits up to timeout_s for the others, unless torchrun's agent hosts it.
+    A rank that finds nobody listening would try for timeout_s, back off a few seconds, and
+    try for timeout_s again (TCPStore's connect loop): 123 s for 60. A watchdog stops it at
+    timeout_s instead, with a message that says what is missing.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    is_host = env["rank"] == 0 and not agent_hosts_store
+    where = f"{env['master_addr']}:{env['master_port']}"
+    watchdog = threading.Timer(timeout_s, _exit_with, args=(
+        f"rank {env['rank']}: no store answered at {where} within {timeout_s:.0f} s. The node "
+        "whose rank 0 hosts it was not started, or was given another --master-addr/"
+        "--master-port (a port already in use makes it fail at start: read its output)",))
+    watchdog.daemon = True
+    if not is_host:
+        watchdog.start()
+    try:
+        # A client's own connect timeout is longer than the watchdog's, so that the watchdog
+        # speaks first, instead of pages of C++ stack from the first failed try.
+        store = dist.TCPStore(env["master_addr"], env["master_port"], env["world_size"],
+                              is_master=is_host, multi_tenant=is_host,
+                              timeout=timedelta(seconds=timeout_s * (1 if is_host else 2)))
+    finally:
+        watchdog.cancel()
+    store.set_timeout(timedelta(seconds=timeout_s))  # for every wait on the store from now on
+    return store
+
+
+def _exit_with(message: str) -> None:
+    """End this process from a watchdog thread: the main thread is stuck inside C++."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    os._exit(1)
+# --8<-- [end:connect-store]
+
+
+# --8<-- [start:run-main]
+def run_main(main, *args) -> None:
+    """Run a distributed script's main(*args) and exit with its return value. If it raises,
+    print one line naming the rank and the error, and exit with status 1 (2 for a
+    LaunchError: the script was started wrong).
+
+    Left uncaught, the error would print a traceback on every failing rank, then torchrun's
+    own ChildFailedError traceback: the line that says what went wrong is lost among 50 others.
+    torchrun gives each worker a file to write its error to, TORCHELASTIC_ERROR_FILE; the
+    traceback goes there (what torch's @record does), and torchrun's summary shows it under
+    "Root Cause".
+    """
+    try:
+        status = main(*args)
+    except Exception as err:  # Ctrl-C (KeyboardInterrupt) and sys.exit() pass through
+        print(f"error: rank {os.environ.get('RANK', '?')}: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
+        ErrorHandler().record_exception(err)  # writes the file only if torchrun named one
+        status = 2 if isinstance(err, LaunchError) else 1
+    sys.exit(status)  # main's return value, if it returns one; None is 0
+# --8<-- [end:run-main]
+
+
+# --8<-- [start:stop-signal]
+class StopSignal:
+    """SIGTERM as a request to save and stop at the end of the current step, not mid-step.
+
+    SLURM sends SIGTERM at the time limit (then SIGKILL, KillWait seconds later, 30 by
+    default), and on scancel or preemption; torchrun passes it on to its workers. Ranks receive
+    it at slightly different moments, so `requested()` asks them all: every rank stops after
+    the same step.
+    """
+
+    def __init__(self, signum: int = signal.SIGTERM):
+        self.received = None
+        signal.signal(signum, self._receive)
+
+    def _receive(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def requested(self) -> bool:
+        """True on every rank once any rank has received the signal (a collective: call it
+        at the same point on every rank)."""
+        flag = torch.tensor([self.received is not None], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+# --8<-- [end:stop-signal]
 
 
 # --8<-- [start:leave-process-group]

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from snippets.cluster.multi_node_train import describe_process
+from snippets.cluster.multi_node_train import describe_process, parse_args
 from snippets.cluster.node_ranks import RankError, check_answer, global_ranks, worker_env
 from snippets.dist import LaunchError
 from tests.conftest import ROOT
@@ -106,3 +106,15 @@ def test_launcher_sets_each_rank_and_names_the_rank_that_failed(tmp_path):
     assert re.search(r"launcher:\s+1\s+1\s+3\s+FAILED, exit 1", result.stdout)
     assert "job FAILED: node 1, rank 3 (local rank 1) failed first with exit 1" in result.stdout
 # --8<-- [end:failing-rank]
+
+
+@pytest.mark.parametrize("flag, value, message", [
+    ("--steps", "0", "argument --steps: '0' is not a whole number of at least 1"),
+    ("--batch-size", "-2", "argument --batch-size: '-2' is not a whole number of at least 1"),
+    ("--timeout", "0", "--timeout 0: must be more than 0 seconds"),
+])
+def test_training_script_refuses_bad_numbers_at_parse_time(capsys, flag, value, message):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err

@@ -9,12 +9,14 @@ that skip into a failure, so CI cannot pass without running them.
 import os
 import re
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
+from snippets.training.checkpoint import load_checkpoint
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "snippets" / "cluster" / "local_slurm.sh"
@@ -121,4 +123,52 @@ def test_single_node_and_two_node_jobs_train_and_complete(slurm_env, tmp_path):
     completions = (STATE / "log" / "jobcomp.log").read_text()
     for j in (one, two):
         assert re.search(rf"JobId={j} .*JobState=COMPLETED", completions), completions
+        assert_no_workers_left(f"--ckpt runs/slurm/{j}/ckpt.pt")
 # --8<-- [end:both-jobs]
+
+
+# --8<-- [start:save-on-signal]
+def test_the_trainer_saves_when_the_batch_script_gets_its_warning_signal(slurm_env, tmp_path):
+    """`#SBATCH --signal=B:USR1@60` sends USR1 to the batch script; here scancel sends it now,
+    the same delivery, instead of waiting for a time limit (SLURM checks it every 30-60 s)."""
+    job = subprocess.run(
+        ["sbatch", "--parsable", f"--output={tmp_path}/%x-%j.out", f"--chdir={ROOT}",
+         "--export=ALL,STEPS=1000", "snippets/cluster/train_single_node.sbatch"],
+        env=slurm_env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    out = tmp_path / f"tiny-1node-{job}.out"
+    deadline = time.monotonic() + 120
+    while not re.search(r"step 2 \|", out.read_text() if out.exists() else ""):
+        assert time.monotonic() < deadline, out.read_text() if out.exists() else "no output"
+        time.sleep(0.2)
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job], env=slurm_env, timeout=30,
+                   check=True)
+    fields = wait_for(slurm_env, [job], timeout_s=120)[job]
+    text = out.read_text()
+    assert "batch script: USR1, the time limit is near: asking the trainer to save" in text
+    stopped = re.search(r"rank 0: stop requested \(SIGTERM\) after step (\d+): saving", text)
+    assert stopped, text
+    saved_at = int(stopped[1])
+    assert 2 <= saved_at < 1000, text  # it stopped early, at a step boundary
+    ckpt = ROOT / "runs" / "slurm" / job / "ckpt.pt"
+    assert f"checkpoint: runs/slurm/{job}/ckpt.pt" in text, text
+    assert load_checkpoint(ckpt)["step"] == saved_at
+    # torchrun exits 1 after a signal even though its workers saved and exited 0.
+    assert "SignalException: Process" in text and "got signal: 15" in text, text
+    assert (fields["JobState"], fields["ExitCode"]) == ("FAILED", "1:0"), text
+    assert_no_workers_left(f"--ckpt runs/slurm/{job}/ckpt.pt")
+# --8<-- [end:save-on-signal]
+
+
+def assert_no_workers_left(marker: str) -> None:
+    """No process of the job outlives it (SLURM kills what it tracks; a worker it did not
+    track would keep training, unseen). Any found are killed, and the test fails."""
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if marker in cmdline:
+            left.append(f"{pid}: {cmdline}")
+            os.kill(int(pid), signal.SIGKILL)
+    assert not left, f"processes left after the job ended: {left}"

@@ -10,7 +10,7 @@ LOCAL_WORLD_SIZE, LOCAL_RANK, RANK). The script cannot tell the difference.
 
 --node-rank K (or NODE_RANK=K in the environment) starts only node K's processes, as one
 machine of a real cluster would: run it once per "node", in two terminals, with the same
---master-port. Every output line is prefixed with the node and rank that printed it. When a
+--master-port (`--free-port` prints one that is free now; a busy one fails node 0 at once). Every output line is prefixed with the node and rank that printed it. When a
 process fails, the others are stopped (they would wait for it forever) and the launcher
 reports every process's exit status, naming the one that failed first.
 """
@@ -18,9 +18,11 @@ reports every process's exit status, naming the one that failed first.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import threading
@@ -56,10 +58,32 @@ def start_workers(command: list[str], nnodes: int, nproc_per_node: int, node_ran
                    "PYTHONUNBUFFERED": "1"}
             process = subprocess.Popen(command, env=env, stdout=subprocess.PIPE,
                                        stderr=subprocess.STDOUT, text=True,
-                                       start_new_session=True)
+                                       start_new_session=True, preexec_fn=_die_with_parent)
             workers.append(Worker(node_rank, local_rank, int(env["RANK"]), process))
     return workers
 # --8<-- [end:start-workers]
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs the script: on Linux, ask the kernel to SIGKILL it when
+    the launcher dies, even by SIGKILL, so that no worker outlives its launcher."""
+    if sys.platform == "linux":
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def check_port_free(addr: str, port: int) -> None:
+    """Fail now, in one line, if rank 0 could not host the store at addr:port."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as TCPStore does
+        try:
+            s.bind((addr, port))
+        except OSError as err:
+            raise RankError(
+                f"cannot host the rendezvous at {addr}:{port} ({err.strerror}): another "
+                "program is using the port. Pick a free one, e.g. "
+                "`python -m snippets.cluster.fake_multi_node_launcher --free-port`, and give "
+                "every node the same --master-port") from None
 
 
 def free_port() -> int:
@@ -117,6 +141,22 @@ def _signal_running(workers: list[Worker], sig: signal.Signals) -> None:
 # --8<-- [end:wait]
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+def _where_output_goes() -> str:
+    """Where a learner finds the workers' output: above, or the file this output goes to."""
+    try:
+        if stat.S_ISREG(os.fstat(sys.stdout.fileno()).st_mode):
+            path = os.readlink(f"/proc/self/fd/{sys.stdout.fileno()}")
+            relative = os.path.relpath(path)
+            return f"in {path if relative.startswith('..') else relative}"
+    except OSError:  # no /proc (macOS): say it the general way
+        pass
+    return "above"
+
+
 def _status(w: Worker) -> str:
     if w.exit_code == 0:
         return "exit 0"
@@ -145,6 +185,8 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
             raise RankError("--node-rank starts one node of several: give every node the same "
                             "--master-port, or they cannot find each other")
         master_port = free_port()
+    elif 0 in node_ranks:  # rank 0, on node 0, hosts the store
+        check_port_free(master_addr, master_port)
     print(f"launcher: {nnodes} node(s) x {nproc_per_node} process(es), world size "
           f"{nnodes * nproc_per_node}, rendezvous at {master_addr}:{master_port}, starting "
           f"node(s) {node_ranks}", flush=True)
@@ -154,9 +196,12 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
     readers = [threading.Thread(target=_follow, args=(w, lock)) for w in workers]
     for t in readers:
         t.start()
+    # kill or Ctrl-C, or the terminal closing: take every worker down with us
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     try:
         failed = wait_for_workers(workers)
-    except KeyboardInterrupt:  # Ctrl-C: take every worker down with us
+    except KeyboardInterrupt:
         _signal_running(workers, signal.SIGKILL)
         raise
     finally:
@@ -171,7 +216,7 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
         print(f"launcher: job FAILED: node {failed.node_rank}, rank {failed.rank} (local rank "
               f"{failed.local_rank}) failed first with {_signal_name(failed.exit_code)}"
               + (f"; ranks {others} failed too" if others else "")
-              + ". Their output above says why.", flush=True)
+              + f". Their output {_where_output_goes()} says why.", flush=True)
         return 1
     print("launcher: job succeeded: every process exited with 0", flush=True)
     return 0
@@ -188,13 +233,21 @@ def parse_args(argv=None):
     p.add_argument("--master-addr", default="127.0.0.1")
     p.add_argument("--master-port", type=int, default=None, help="default: a free port")
     p.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS per process")
-    p.add_argument("script", help="a Python script, run as `python SCRIPT ARGS...`")
+    p.add_argument("--free-port", action="store_true",
+                   help="print a TCP port that is free now, for --master-port, and exit")
+    p.add_argument("script", nargs="?", help="a Python script, run as `python SCRIPT ARGS...`")
     p.add_argument("script_args", nargs=argparse.REMAINDER)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.free_port:
+        print(free_port())
+        return 0
+    if args.script is None:
+        print("launcher: error: name the script to run", file=sys.stderr)
+        return 2
     try:
         return launch([sys.executable, args.script, *args.script_args], args.nnodes,
                       args.nproc_per_node, args.node_rank, args.master_addr, args.master_port,
@@ -202,6 +255,10 @@ def main(argv=None) -> int:
     except RankError as err:
         print(f"launcher: error: {err}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as why:
+        print(f"launcher: interrupted ({why or 'Ctrl-C'}): every worker was stopped",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -72,8 +72,11 @@ SlurmctldPidFile=$STATE/run/slurmctld.pid
 SlurmdPidFile=$STATE/run/slurmd-%n.pid
 SlurmctldLogFile=$STATE/log/slurmctld.log
 SlurmdLogFile=$STATE/log/slurmd-%n.log
-# No cgroups in a container: track a job's processes by process group, no CPU binding.
-ProctrackType=proctrack/pgid
+# No cgroups in a container: track a job's processes by their parent links (linuxproc), no
+# CPU binding. Not by process group (pgid): torchrun starts each worker in a session of its
+# own, so a signal to torchrun's group would miss the workers, and a step killed at its time
+# limit would leave them running.
+ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
 MpiDefault=none

@@ -19,7 +19,6 @@ import argparse
 import os
 import socket
 import statistics
-import sys
 import time
 from dataclasses import asdict
 
@@ -29,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.cluster.ranked_checkpoint import adam_groups, save_shard
-from snippets.dist import LaunchError, init_from_env, leave_process_group
+from snippets.dist import LaunchError, StopSignal, init_from_env, leave_process_group, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import save_checkpoint
 
@@ -61,8 +60,9 @@ def describe_process(env: dict) -> dict:
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=4)
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p.add_argument("--steps", type=positive_int, default=4)
+    p.add_argument("--batch-size", type=positive_int, default=8,
+                   help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
@@ -70,11 +70,23 @@ def parse_args(argv=None):
     p.add_argument("--ranked-dir", default=None,
                    help="also save ranked checkpoints here: each rank writes its own shard")
     p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if not args.timeout > 0:
+        p.error(f"--timeout {args.timeout:g}: must be more than 0 seconds")
+    return args
+
+
+def positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of at least 1")
+    return int(text)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    # From here on SIGTERM (the time limit is near, or the job was cancelled) means: finish
+    # the current step, save, and stop. Set first: SLURM may signal early, even mid-start-up.
+    stop = StopSignal()
     env = init_from_env(backend="gloo" if not torch.cuda.is_available() else None,
                         timeout_s=args.timeout)
     me = describe_process(env)
@@ -110,18 +122,23 @@ def main(argv=None) -> None:
             print(f"step {step} | global loss {global_loss.item() / world:.4f} | "
                   f"step {step_times[-1] * 1e3:.0f} ms | "
                   f"{tokens_per_step / step_times[-1]:,.0f} tokens/s", flush=True)
+        if stop.requested():  # every rank agrees: stop after this step, and save it
+            if rank == 0:
+                print(f"rank 0: stop requested ({stop.received or 'SIGTERM on another rank'}) "
+                      f"after step {step}: saving", flush=True)
+            break
     # --8<-- [end:train]
     if rank == 0:
         # The first step pays for DDP's bucket set-up: leave it out of the summary.
         steady = statistics.median(step_times[1:] or step_times)
         print(f"done: world size {world}, {tokens_per_step} tokens/step, median step "
               f"{steady * 1e3:.0f} ms, {tokens_per_step / steady:,.0f} tokens/s", flush=True)
-        save_checkpoint(args.ckpt, {"model": model.module.state_dict(), "step": args.steps,
+        save_checkpoint(args.ckpt, {"model": model.module.state_dict(), "step": step,
                                     "config": asdict(config), "world_size": world})
         print(f"checkpoint: {args.ckpt}", flush=True)
     # --8<-- [start:ranked]
     if args.ranked_dir:  # every rank writes its slice, in parallel: rank_0000R-of-0000N.pt
-        path = save_shard(args.ranked_dir, args.steps, rank, world,
+        path = save_shard(args.ranked_dir, step, rank, world,
                           adam_groups(model.module, optimizer))
         print(f"rank {rank}: saved {path}", flush=True)
     dist.barrier()  # a checkpoint is complete only when every rank's file is on disk
@@ -130,8 +147,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except LaunchError as err:
-        print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
+    run_main(main)

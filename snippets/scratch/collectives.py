@@ -98,4 +98,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from snippets.dist import run_main
+
+    run_main(main)

@@ -1,0 +1,142 @@
+"""What a learner sees when a multi-process job goes wrong, and that nothing is left behind.
+
+- Under torchrun, the course's one-line error comes first, once per failing rank, and torchrun's
+  summary names the real cause (the worker wrote it to TORCHELASTIC_ERROR_FILE).
+- A port already in use fails the node that would host the store at once, in one line.
+- A node whose peer never comes fails within the --timeout it was given (not 2 x timeout plus a
+  back-off, TCPStore's own connect loop), and says where its output is.
+- No worker outlives its launcher, however the launcher ends.
+"""
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.conftest import ROOT
+
+LAUNCHER = [sys.executable, "-m", "snippets.cluster.fake_multi_node_launcher"]
+TRAIN = "snippets/cluster/multi_node_train.py"
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def processes_matching(marker: str) -> list[str]:
+    """Command lines of live processes that contain marker (a path unique to one test)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode()
+        except OSError:  # it exited while we looked
+            continue
+        if marker in cmdline and int(pid) != os.getpid():
+            found.append(f"{pid}: {cmdline}")
+    return found
+
+
+def assert_none_left(marker: str, within_s: float = 3.0) -> None:
+    deadline = time.monotonic() + within_s
+    while (left := processes_matching(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"orphaned processes: {left}"
+
+
+# --8<-- [start:first-line]
+def test_under_torchrun_the_course_error_comes_first_and_names_the_rank(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1", TRAIN,
+         "--steps", "1", "--config", "nope", "--ckpt", str(tmp_path / "ckpt.pt")],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    assert lines[0] == ("error: rank 0: ConfigError: unknown config 'nope'; use one of tiny, "
+                        "small, medium, gpt2-small or a path to a .json file"), result.stderr
+    assert result.stderr.count("error: rank 0:") == 1  # once, not once per traceback
+    # torchrun's summary shows the worker's own traceback, read from its error file.
+    root_cause = result.stderr[result.stderr.index("Root Cause"):]
+    assert "error_file: <N/A>" not in root_cause, root_cause
+    assert "ConfigError: unknown config 'nope'" in root_cause, root_cause
+# --8<-- [end:first-line]
+
+
+# --8<-- [start:no-hangs]
+def test_a_busy_port_fails_node_0_at_once_and_node_1_within_its_timeout(tmp_path):
+    with socket.socket() as other_program:  # holds the port, never answers
+        other_program.bind(("127.0.0.1", 0))
+        other_program.listen()
+        port = other_program.getsockname()[1]
+        ckpt = str(tmp_path / "ckpt.pt")  # unique to this test: finds its processes
+        job = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port), TRAIN,
+               "--timeout", "5", "--ckpt", ckpt]
+
+        start = time.monotonic()
+        node0 = subprocess.run([*LAUNCHER, "--node-rank", "0", *job], cwd=ROOT, env=ENV,
+                               capture_output=True, text=True, timeout=60)
+        assert time.monotonic() - start < 5  # before any worker has started
+        assert node0.returncode == 2
+        assert node0.stderr == (
+            f"launcher: error: cannot host the rendezvous at 127.0.0.1:{port} (Address "
+            "already in use): another program is using the port. Pick a free one, e.g. "
+            "`python -m snippets.cluster.fake_multi_node_launcher --free-port`, and give every "
+            "node the same --master-port\n")
+
+        log = tmp_path / "node1.log"
+        start = time.monotonic()
+        with open(log, "w") as out:
+            node1 = subprocess.run([*LAUNCHER, "--node-rank", "1", *job], cwd=ROOT, env=ENV,
+                                   stdout=out, stderr=subprocess.STDOUT, timeout=60)
+        took = time.monotonic() - start
+    output = log.read_text()
+    assert node1.returncode == 1, output
+    # 5 s of waiting, plus starting Python and importing torch (about 3 s on 2 busy cores).
+    assert took < 5 + 10, f"{took:.0f} s\n{output}"
+    assert (f"[node 1 rank 1] error: rank 1: no store answered at 127.0.0.1:{port} within "
+            "5 s.") in output
+    assert f"Their output in {log} says why." in output  # where its logs are
+    assert_none_left(ckpt)
+
+
+def test_a_node_whose_peer_never_comes_fails_within_its_timeout(tmp_path):
+    port = subprocess.run([*LAUNCHER, "--free-port"], capture_output=True, text=True,
+                          cwd=ROOT, check=True).stdout.strip()
+    ckpt = str(tmp_path / "ckpt.pt")
+    start = time.monotonic()
+    node1 = subprocess.run([*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "1",
+                            "--node-rank", "1", "--master-port", port, TRAIN,
+                            "--timeout", "5", "--ckpt", ckpt],
+                           cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - start
+    assert node1.returncode == 1
+    assert took < 5 + 10, f"{took:.0f} s\n{node1.stdout}"  # TCPStore alone: 2 x 5 s + back-off
+    assert f"error: rank 1: no store answered at 127.0.0.1:{port} within 5 s." in node1.stdout
+    assert "socket.cpp" not in node1.stdout  # the one line, not pages of C++ stack
+    assert "Their output above says why." in node1.stdout
+    assert_none_left(ckpt)
+
+
+@pytest.mark.parametrize("how", [signal.SIGTERM, signal.SIGKILL])
+def test_no_worker_outlives_its_launcher(tmp_path, how):
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(600)\n")
+    launcher = subprocess.Popen([*LAUNCHER, "--nnodes", "1", "--nproc-per-node", "2",
+                                 str(script)], cwd=ROOT, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    try:
+        started = [launcher.stdout.readline() for _ in range(3)]  # banner, then two "up"
+        assert sum("up" in line for line in started) == 2, started
+        assert len(processes_matching(str(script))) == 3  # the launcher and two workers
+        launcher.send_signal(how)
+        code = launcher.wait(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert_none_left(str(script))
+    if how == signal.SIGTERM:  # it stopped them itself, and said so
+        assert code == 130
+        assert "launcher: interrupted (SIGTERM): every worker was stopped" in launcher.stderr.read()
+# --8<-- [end:no-hangs]
