@@ -1,12 +1,15 @@
 """The scale planner from the command line: the same model as the calculator page.
 
     python -m snippets.planner --model llama-70b --dp 16 --tp 8 --pp 4 --zero-stage 1
+    python -m snippets.planner --model llama-70b --seq-len 4096 --dp 128 --tp 8 --sp
 """
 
 import argparse
 import sys
 
-from snippets.planner.cost_model import CLUSTERS, MODELS, PlannerError, plan_training
+from snippets.planner.cost_model import (CLUSTERS, FLOP_CONVENTIONS, MODELS, PlannerError,
+                                         plan_training)
+from snippets.training.flags import Parser, checked, int_at_least
 
 
 def human(n: float, unit: str) -> str:
@@ -17,33 +20,43 @@ def human(n: float, unit: str) -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(prog="python -m snippets.planner", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="python -m snippets.planner", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama-7b")
     p.add_argument("--cluster", choices=sorted(CLUSTERS), default=next(iter(CLUSTERS)))
-    for name, default in (("dp", 8), ("tp", 1), ("pp", 1), ("micro-batch-size", 1),
-                          ("micro-batches", 8), ("seq-len", 2048)):
-        p.add_argument(f"--{name}", type=int, default=default)
+    for name, default in (("dp", 8), ("tp", 1), ("pp", 1), ("cp", 1), ("virtual-stages", 1),
+                          ("micro-batch-size", 1), ("micro-batches", 8), ("seq-len", 2048)):
+        p.add_argument(f"--{name}", type=int_at_least(1), default=default)
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="bf16")
-    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
+    p.add_argument("--recompute", nargs="?", const="full", default="none",
+                   choices=("none", "selective", "full"), help="bare --recompute means full")
+    p.add_argument("--no-cp-overlap", dest="cp_overlap", action="store_false",
+                   help="ring attention's K/V exchange not hidden behind attention's compute")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
-    p.add_argument("--mfu", type=float, default=0.4)
+    p.add_argument("--mfu", type=checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+                   default=0.4, help="fraction of peak FLOP/s the matmuls reach while they run")
+    p.add_argument("--flops", choices=FLOP_CONVENTIONS, default=FLOP_CONVENTIONS[0],
+                   help="what MFU counts: matmuls and attention, matmuls only, or 6 x parameters")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> None:
     args = parse_args(argv)
     plan = {key: getattr(args, key) for key in (
-        "dp", "tp", "pp", "zero_stage", "precision", "recompute", "micro_batch_size",
-        "micro_batches", "seq_len", "schedule", "mfu")}
+        "dp", "tp", "pp", "cp", "virtual_stages", "zero_stage", "precision", "sp", "recompute",
+        "cp_overlap", "micro_batch_size", "micro_batches", "seq_len", "schedule", "mfu", "flops")}
     try:
         r = plan_training(MODELS[args.model], plan, CLUSTERS[args.cluster])
     except PlannerError as err:
         sys.exit(f"error: {err}")
+    extras = [f"cp={args.cp}" if args.cp > 1 else "", "sp" if args.sp else "",
+              f"v={args.virtual_stages}" if args.virtual_stages > 1 else "",
+              f"recompute={args.recompute}" if args.recompute != "none" else ""]
     print(f"{args.model} on {r['gpus']} GPUs ({args.cluster}): dp={args.dp} tp={args.tp} "
           f"pp={args.pp} ZeRO-{args.zero_stage} {args.precision}"
-          f"{' recompute' if args.recompute else ''}")
+          + "".join(f" {e}" for e in extras if e))
     print(f"  parameters {human(r['parameters'], '')}, {human(r['parameters_per_gpu'], '')} per GPU")
     for part, size in r["memory_bytes"].items():
         print(f"  {part:<15} {human(size, 'B'):>10}")
@@ -52,7 +65,8 @@ def main(argv=None) -> None:
           f"({100 * r['memory_fraction']:.0f}%)")
     for part, seconds in r["time_s"].items():
         print(f"  {part:<22} {seconds * 1e3:9.1f} ms")
-    print(f"  bubble {100 * r['bubble_fraction']:.1f}%, {r['tokens_per_s']:,.0f} tokens/s")
+    print(f"  bubble {100 * r['bubble_fraction']:.1f}%, {r['tokens_per_s']:,.0f} tokens/s, "
+          f"MFU {100 * r['model_flops_utilization']:.1f}% ({args.flops})")
 
 
 if __name__ == "__main__":

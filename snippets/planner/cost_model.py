@@ -4,6 +4,7 @@ The calculator page runs this same model in the browser: `snippets/planner/to_js
 this file into JavaScript when the site is built. So the file keeps to a small subset of Python
 that has a direct JavaScript meaning: functions of dicts and numbers, arithmetic, `if`, `min`,
 `max`, `math.ceil`, f-strings and `raise PlannerError(...)`. The translator refuses anything else.
+Optional plan and model keys are read with `option(...)`, so older plans keep working.
 
 Units: bytes, FLOPs, seconds. "Rank" and "GPU" mean the same thing here.
 """
@@ -84,31 +85,63 @@ PRECISIONS = {
 # --8<-- [end:precision]
 
 
-def check_positive_int(inputs, name):
-    value = inputs[name]
+def check_positive_int(name, value):
     if not (value >= 1 and math.floor(value) == value):
         raise PlannerError(f"{name}={value} must be a whole number of at least 1")
 
 
 # --8<-- [start:parameters]
-def parameters_per_layer(model):
-    h = model["hidden_size"]
+def option(settings, name, fallback):
+    """settings[name], or fallback where a model or plan leaves it out."""
+    if name in settings:
+        return settings[name]
+    return fallback
+
+
+def is_gpt3(model):
+    """Two block designs. "llama" (the default, the course's GPT): RMSNorm, RoPE, SwiGLU MLP, no
+    biases, no dropout, flash attention. "gpt3" (GPT-3 / Megatron-LM, the block Korthikanti et
+    al. 2022 count): LayerNorm, learned positions, GELU MLP, biases, dropout, and attention that
+    stores its score matrices."""
+    return option(model, "architecture", "llama") == "gpt3"
+
+
+def matmul_parameters_per_layer(model):
+    h, f = model["hidden_size"], model["intermediate_size"]
     kv = model["num_key_value_heads"] * (h // model["num_attention_heads"])
     attention = 2 * h * h + 2 * h * kv  # q and o are h x h; k and v are h x kv (fewer with GQA)
-    mlp = 3 * h * model["intermediate_size"]  # SwiGLU: gate, up, down
-    return attention + mlp + 2 * h  # plus the two RMSNorm gains
+    if is_gpt3(model):
+        return attention + 2 * h * f  # GELU MLP: up, down
+    return attention + 3 * h * f  # SwiGLU: gate, up, down
+
+
+def parameters_per_layer(model):
+    h, f = model["hidden_size"], model["intermediate_size"]
+    if is_gpt3(model):
+        kv = model["num_key_value_heads"] * (h // model["num_attention_heads"])
+        biases = h + 2 * kv + h + f + h  # q, k, v, o, up, down
+        return matmul_parameters_per_layer(model) + biases + 4 * h  # + 2 LayerNorms (gain, bias)
+    return matmul_parameters_per_layer(model) + 2 * h  # plus the two RMSNorm gains
 
 
 def embedding_parameters(model):
     table = model["vocab_size"] * model["hidden_size"]
+    if is_gpt3(model):
+        table = table + model["max_position_embeddings"] * model["hidden_size"]  # learned positions
     if model["tie_word_embeddings"]:
         return table
-    return 2 * table  # a separate output head
+    return table + model["vocab_size"] * model["hidden_size"]  # a separate output head
+
+
+def final_norm_parameters(model):
+    if is_gpt3(model):
+        return 2 * model["hidden_size"]  # LayerNorm: gain and bias
+    return model["hidden_size"]
 
 
 def parameter_count(model):
     return (model["num_hidden_layers"] * parameters_per_layer(model)
-            + embedding_parameters(model) + model["hidden_size"])  # + the final RMSNorm
+            + embedding_parameters(model) + final_norm_parameters(model))
 # --8<-- [end:parameters]
 
 
@@ -131,11 +164,13 @@ def model_state_bytes(model, plan):
     layers = model["num_hidden_layers"] // plan["pp"]
     params = (layers * parameters_per_layer(model) + embedding_parameters(model)) / plan["tp"]
     if plan["pp"] == 1:
-        params = params + model["hidden_size"] / plan["tp"]
-    state = sharded_state_bytes(params, plan["precision"], plan["zero_stage"], plan["dp"])
+        params = params + final_norm_parameters(model) / plan["tp"]
+    # Context-parallel ranks hold the same weights, so ZeRO shards over dp x cp ranks.
+    shards = plan["dp"] * option(plan, "cp", 1)
+    state = sharded_state_bytes(params, plan["precision"], plan["zero_stage"], shards)
     # ZeRO-3 gathers one block's full weights to compute with it (and prefetches the next).
     gathered = 0
-    if plan["zero_stage"] >= 3 and plan["dp"] > 1:
+    if plan["zero_stage"] >= 3 and shards > 1:
         gathered = (2 * parameters_per_layer(model) / plan["tp"]
                     * PRECISIONS[plan["precision"]]["weights"])
     return {"parameters": params, "weights": state["weights"], "gradients": state["gradients"],
@@ -145,42 +180,82 @@ def model_state_bytes(model, plan):
 
 
 # --8<-- [start:activations]
-def activation_bytes_per_layer(model, plan):
-    """Bytes one block saves for backward for one micro-batch: the course's GPT block counted
-    tensor by tensor (tests/test_planner.py checks it against a measurement).
+def recompute_mode(plan):
+    """"none", "selective" (recompute only attention's softmax and dropout, keep the rest) or
+    "full" (keep only each block's input); True and False mean "full" and "none"."""
+    mode = plan["recompute"]
+    if mode == True:  # noqa: E712 (a string is neither True nor False)
+        return "full"
+    if mode == False:  # noqa: E712
+        return "none"
+    return mode
 
-    Per token: 3h for each RMSNorm (its input, the normalised vector, the output), 4h inside
-    attention (q and k after RoPE, v, the attention output), 4 x intermediate in the SwiGLU MLP
-    (gate, up, SiLU(gate), their product), and per head one softmax statistic. Tensor
-    parallelism splits attention and MLP tensors tp ways; the norms' 6h are replicated.
-    Recomputation keeps only the block's input.
+
+def sequence_parallel_shards(plan):
+    """Sequence parallelism splits the tensors between the tensor-parallel regions (norms,
+    dropout, residual) along the sequence, tp ways; without it every TP rank holds them whole."""
+    if option(plan, "sp", False):
+        return plan["tp"]
+    return 1
+
+
+def activation_bytes_per_layer(model, plan):
+    """Bytes one block saves for backward for one micro-batch, on one rank.
+
+    Context parallelism gives each rank seq_len / cp of the tokens. Per token, with e bytes per
+    element:
+    - "llama" (the course's GPT, counted tensor by tensor; tests/test_planner.py checks it
+      against a measurement): outside the TP regions 3h per RMSNorm (its input, the normalised
+      vector, the output) and an fp32 1/rms each; inside them 4h in attention (q and k after
+      RoPE, v, the attention output), 4 x intermediate in the SwiGLU MLP (gate, up, SiLU(gate),
+      their product) and per head an fp32 softmax statistic (flash attention keeps no scores).
+    - "gpt3": Korthikanti et al. 2022, section 4.1: outside the TP regions the two LayerNorm
+      inputs, the QKV and MLP inputs (4h x e) and two 1-byte dropout masks (2h); inside, q, k,
+      v and the attention output (4h x e) and the GELU's input and output (2 x intermediate x
+      e); and per head seq_len scores three times: softmax output (e), dropout mask (1 byte),
+      dropout output (e). With e = 2 and intermediate = 4h: sbh(34 + 5as/h).
+    Tensor parallelism splits the inside tensors tp ways, sequence parallelism the outside ones.
+    Selective recomputation drops the scores; full recomputation keeps only the block's input.
     """
     h, f, heads = model["hidden_size"], model["intermediate_size"], model["num_attention_heads"]
-    tokens = plan["micro_batch_size"] * plan["seq_len"]
+    tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
     element = PRECISIONS[plan["precision"]]["activations"]
-    if plan["recompute"]:
-        return tokens * h * element
-    split = (4 * h + 4 * f) / plan["tp"]
-    fp32_statistics = 4 * (2 + heads / plan["tp"])  # RMSNorm's 1/rms twice, softmax per head
-    return tokens * ((6 * h + split) * element + fp32_statistics)
+    outside_shards = sequence_parallel_shards(plan)
+    mode = recompute_mode(plan)
+    if mode == "full":
+        return tokens * h * element / outside_shards
+    if is_gpt3(model):
+        outside = 4 * h * element + 2 * h
+        inside = (4 * h + 2 * f) * element
+        if mode != "selective":
+            inside = inside + heads * plan["seq_len"] * (2 * element + 1)
+    else:
+        outside = 6 * h * element + 2 * 4
+        inside = (4 * h + 4 * f) * element + 4 * heads
+    return tokens * (outside / outside_shards + inside / plan["tp"])
 
 
 def activation_bytes_outside_layers(model, plan):
     """The embedding output and final norm (3h per token), the fp32 log-softmax over the
     vocabulary kept for the loss's backward, and the int64 input ids and targets."""
-    tokens = plan["micro_batch_size"] * plan["seq_len"]
+    tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
     element = PRECISIONS[plan["precision"]]["activations"]
     return tokens * (3 * model["hidden_size"] * element + 4 * model["vocab_size"] / plan["tp"]
                      + 16)
 
 
 def micro_batches_in_flight(plan):
-    """How many micro-batches' activations a pipeline stage holds at once: GPipe runs every
-    forward before any backward (all m); 1F1B starts backwards after pp forwards (at most pp)."""
+    """How many micro-batches' activations (of one stage's layers) the first pipeline stage
+    holds at once: GPipe runs every forward before any backward (all m); 1F1B starts backwards
+    after pp forwards (at most pp); interleaved 1F1B with v model chunks per rank warms up with
+    more, p + (p - 1)/v (Korthikanti et al. 2022, section 4.2.3: p(1 + (p - 1)/(pv)))."""
     if plan["pp"] == 1:
         return 1
     if plan["schedule"] == "gpipe":
         return plan["micro_batches"]
+    v = option(plan, "virtual_stages", 1)
+    if v > 1:
+        return plan["pp"] + (plan["pp"] - 1) / v
     return min(plan["pp"], plan["micro_batches"])
 
 
@@ -193,13 +268,48 @@ def activation_bytes(model, plan):
 
 
 # --8<-- [start:flops]
+FLOP_CONVENTIONS = ("matmuls+attention", "matmuls", "6N")
+
+
+def matmul_parameters(model):
+    """Parameters that take part in a matmul per token: every block's projections and the
+    output head (tied or not). The embedding lookup is a gather, not a matmul."""
+    return (model["num_hidden_layers"] * matmul_parameters_per_layer(model)
+            + model["vocab_size"] * model["hidden_size"])
+
+
 def training_flops_per_token(model, seq_len):
     """6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus attention's two
-    seq_len x seq_len matmuls: 12 x layers x seq_len x hidden (see snippets/planner/flops.py)."""
-    h = model["hidden_size"]
-    matmul_params = model["num_hidden_layers"] * (parameters_per_layer(model) - 2 * h)
-    matmul_params = matmul_params + model["vocab_size"] * h  # the output head (tied or not)
-    return 6 * matmul_params + 12 * model["num_hidden_layers"] * seq_len * h
+    seq_len x seq_len matmuls: 12 x layers x seq_len x hidden, the full (non-causal) score
+    matrix, as Narayanan et al. 2021 count it (see snippets/planner/flops.py)."""
+    return (6 * matmul_parameters(model)
+            + 12 * model["num_hidden_layers"] * seq_len * model["hidden_size"])
+
+
+def model_flops_per_token(model, plan):
+    """The numerator of MFU, by the plan's convention: "matmuls+attention" (the default, as
+    above), "matmuls" (attention's score matmuls left out), or "6N" (6 x every parameter,
+    embeddings included, no attention: the Kaplan et al. 2020 count). Never recomputation."""
+    convention = option(plan, "flops", "matmuls+attention")
+    if convention == "6N":
+        return 6 * parameter_count(model)
+    if convention == "matmuls":
+        return 6 * matmul_parameters(model)
+    return training_flops_per_token(model, plan["seq_len"])
+
+
+def executed_flops_per_token(model, plan):
+    """What the GPUs really compute: training FLOPs plus recomputation. Full recomputation runs
+    every forward again (+1/3); selective recomputation runs attention's score matmuls forward
+    again (4 x seq_len x hidden per layer), which a "llama" block's flash attention already
+    does inside its backward kernel."""
+    flops = training_flops_per_token(model, plan["seq_len"])
+    mode = recompute_mode(plan)
+    if mode == "full":
+        return flops * 4 / 3
+    if mode == "selective" and is_gpt3(model):
+        return flops + 4 * model["num_hidden_layers"] * plan["seq_len"] * model["hidden_size"]
+    return flops
 # --8<-- [end:flops]
 
 
@@ -235,14 +345,30 @@ def send_recv_time(size, lnk):
 # --8<-- [start:plan]
 def validate(model, plan, cluster):
     for name in ("dp", "tp", "pp", "micro_batch_size", "micro_batches", "seq_len"):
-        check_positive_int(plan, name)
+        check_positive_int(name, plan[name])
+    cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
+    check_positive_int("cp", cp)
+    check_positive_int("virtual_stages", v)
     if plan["precision"] not in PRECISIONS:
         raise PlannerError(f"precision={plan['precision']}: choose fp32, bf16 or fp8")
     if not (plan["zero_stage"] in (0, 1, 2, 3)):
         raise PlannerError(f"zero_stage={plan['zero_stage']}: choose 0 (plain DP), 1, 2 or 3")
+    if not (recompute_mode(plan) in ("none", "selective", "full")):
+        raise PlannerError(f"recompute={plan['recompute']}: choose none, selective or full")
+    if not (option(plan, "flops", "matmuls+attention") in FLOP_CONVENTIONS):
+        raise PlannerError(f"flops={plan['flops']}: choose matmuls+attention, matmuls or 6N")
     if model["num_hidden_layers"] % plan["pp"] != 0:
         raise PlannerError(f"num_hidden_layers={model['num_hidden_layers']} does not divide "
                            f"into pp={plan['pp']} equal stages: choose pp among its divisors")
+    if v > 1 and (plan["pp"] == 1 or plan["schedule"] != "1f1b"):
+        raise PlannerError(f"virtual_stages={v} needs pp > 1 and the 1f1b schedule")
+    if model["num_hidden_layers"] % (plan["pp"] * v) != 0:
+        raise PlannerError(f"num_hidden_layers={model['num_hidden_layers']} does not divide "
+                           f"into pp x virtual_stages={plan['pp'] * v} equal chunks")
+    if v > 1 and plan["micro_batches"] < plan["pp"]:
+        raise PlannerError(f"virtual_stages={v} needs micro_batches >= pp={plan['pp']}")
+    if plan["seq_len"] % cp != 0:
+        raise PlannerError(f"seq_len={plan['seq_len']} is not divisible by cp={cp}")
     if model["num_key_value_heads"] % plan["tp"] != 0:
         raise PlannerError(f"num_key_value_heads={model['num_key_value_heads']} is not "
                            f"divisible by tp={plan['tp']}: each rank needs whole heads")
@@ -255,69 +381,101 @@ def validate(model, plan, cluster):
 
 
 def plan_training(model, plan, cluster):
-    """Memory per GPU, step time, throughput and bubble for one training configuration.
+    """Memory per GPU, step time, throughput, bubble and MFU for one training configuration.
 
-    plan: dp, tp, pp (the three group sizes; dp x tp x pp GPUs in all), zero_stage (0-3),
-    precision (fp32, bf16, fp8), recompute (bool), micro_batch_size, micro_batches (per step,
-    per data-parallel rank: pipeline micro-batches or gradient-accumulation steps), seq_len,
-    schedule ("1f1b" or "gpipe"), mfu (the fraction of peak FLOP/s the matmuls reach).
+    plan: dp, tp, pp (group sizes), zero_stage (0-3), precision (fp32, bf16, fp8), recompute
+    ("none", "selective", "full"; or a bool), micro_batch_size, micro_batches (per step, per
+    data-parallel rank: pipeline micro-batches or gradient-accumulation steps), seq_len,
+    schedule ("1f1b" or "gpipe"), mfu (the fraction of peak FLOP/s the matmuls reach while they
+    run: kernel efficiency, not the end-to-end MFU this returns). Optional, with their defaults:
+    sp (False: sequence parallelism), cp (1: context-parallel size), cp_overlap (True: ring
+    attention's K/V exchange hidden behind attention's compute), virtual_stages (1: model
+    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention).
+    Rank order, innermost first: tp, cp, pp, dp; dp x tp x pp x cp GPUs in all.
     """
     validate(model, plan, cluster)
-    gpus = plan["dp"] * plan["tp"] * plan["pp"]
+    cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
+    gpus = plan["dp"] * plan["tp"] * plan["pp"] * cp
     state = model_state_bytes(model, plan)
     activations = activation_bytes(model, plan)
     memory = state["total"] + activations
     capacity = cluster["gpu_memory_gb"] * 1e9
 
-    # Compute: every GPU does 1/(tp x pp) of the FLOPs of its dp rank's micro-batches;
-    # recomputation adds one more forward (a third of forward + backward).
+    # Compute: every GPU does 1/(tp x pp x cp) of the FLOPs of its dp rank's micro-batches,
+    # recomputation included.
     tokens_per_micro_batch = plan["micro_batch_size"] * plan["seq_len"]
-    flops = training_flops_per_token(model, plan["seq_len"]) * tokens_per_micro_batch
-    if plan["recompute"]:
-        flops = flops * 4 / 3
+    flops = executed_flops_per_token(model, plan) * tokens_per_micro_batch
     peak = cluster["peak_tflops"][plan["precision"]] * 1e12
-    compute_per_micro_batch = flops / (plan["tp"] * plan["pp"]) / (peak * plan["mfu"])
+    compute_per_micro_batch = flops / (plan["tp"] * plan["pp"] * cp) / (peak * plan["mfu"])
 
-    # Tensor parallelism: 2 all-reduces of the b x s x h activations per block in forward and 2
-    # in backward, inside a node, on the critical path.
+    # Tensor parallelism: 2 all-reduces of a rank's b x s/cp x h activations per block in
+    # forward and 2 in backward, inside a node, on the critical path. Sequence parallelism
+    # turns each all-reduce into a reduce-scatter plus an all-gather: the same bytes and time.
     element = PRECISIONS[plan["precision"]]["activations"]
-    activation_message = tokens_per_micro_batch * model["hidden_size"] * element
+    activation_message = tokens_per_micro_batch / cp * model["hidden_size"] * element
     layers_per_stage = model["num_hidden_layers"] // plan["pp"]
     intra = link(cluster, False)
-    tp_per_micro_batch = 4 * layers_per_stage * ring_all_reduce_time(
-        activation_message, plan["tp"], intra)
+    if option(plan, "sp", False):
+        tp_per_layer = 4 * 2 * ring_all_gather_time(activation_message, plan["tp"], intra)
+    else:
+        tp_per_layer = 4 * ring_all_reduce_time(activation_message, plan["tp"], intra)
+    tp_per_micro_batch = layers_per_stage * tp_per_layer
 
-    # Pipeline: each micro-batch crosses each stage boundary twice (activation forward,
-    # gradient backward); stages span nodes once tp x pp outgrows one node.
-    pp_link = link(cluster, plan["tp"] * plan["pp"] > cluster["gpus_per_node"])
+    # Context parallelism (ring attention): per layer, each rank passes its K and V chunk
+    # (s/cp tokens x the kv width / tp) around the ring, cp - 1 steps forward, and K, V plus
+    # their gradients backward (3 x the forward bytes). Overlapped, it hides behind the
+    # attention matmuls (12 x s/cp x s x h / tp FLOPs per layer, forward and backward).
+    cp_per_micro_batch = 0
+    if cp > 1:
+        kv = model["num_key_value_heads"] * (model["hidden_size"] // model["num_attention_heads"])
+        chunk = 2 * tokens_per_micro_batch / cp * kv / plan["tp"] * element
+        cp_link = link(cluster, plan["tp"] * cp > cluster["gpus_per_node"])
+        cp_per_layer = 3 * (cp - 1) * send_recv_time(chunk, cp_link)
+        if option(plan, "cp_overlap", True):
+            attention = (12 * tokens_per_micro_batch / cp * plan["seq_len"]
+                         * model["hidden_size"] / plan["tp"] / (peak * plan["mfu"]))
+            cp_per_layer = max(0, cp_per_layer - attention)
+        cp_per_micro_batch = layers_per_stage * cp_per_layer
+
+    # Pipeline: each micro-batch crosses each of a rank's v chunk boundaries twice (activation
+    # forward, gradient backward); stages span nodes once tp x cp x pp outgrows one node.
+    pp_link = link(cluster, plan["tp"] * cp * plan["pp"] > cluster["gpus_per_node"])
     pp_per_micro_batch = 0
     if plan["pp"] > 1:
-        pp_per_micro_batch = 2 * send_recv_time(activation_message / plan["tp"], pp_link)
-    slot = compute_per_micro_batch + tp_per_micro_batch + pp_per_micro_batch
+        pp_per_micro_batch = 2 * v * send_recv_time(activation_message / plan["tp"], pp_link)
+    slot = compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch + pp_per_micro_batch
+    # The bubble: (p - 1)/v slots of idling against m of work, (p - 1)/(v m) of the ideal time
+    # (Narayanan et al. 2021, section 2.2.2).
     m, p = plan["micro_batches"], plan["pp"]
-    pipeline_time = (m + p - 1) * slot
-    bubble = (p - 1) / (m + p - 1)
+    pipeline_time = (m + (p - 1) / v) * slot
+    bubble = (p - 1) / v / (m + (p - 1) / v)
 
-    # Data parallelism over the outermost dimension. Gradients are synchronised once per step:
-    # an all-reduce, or under ZeRO-1/2 a reduce-scatter plus an all-gather of the updated
-    # weights, the same bytes. DDP-style overlap hides it behind the last micro-batch's backward
-    # (2/3 of its compute). ZeRO-3 reduce-scatters the gradients once (half an all-reduce) but
-    # all-gathers the weights before every micro-batch's forward and again in its backward (one
-    # all-reduce's bytes per micro-batch: 1.5x DDP for m = 1); prefetching hides the gathers
-    # behind all of the compute.
+    # Data parallelism over the outermost dimension, among the dp x cp ranks that hold the same
+    # weights. ZeRO-0/1 synchronise the gradients once per step: an all-reduce, or a
+    # reduce-scatter plus an all-gather of the updated weights, the same bytes; DDP-style
+    # overlap hides it behind the last micro-batch's backward (2/3 of its compute). ZeRO-2 keeps
+    # only a shard of the gradients, so it reduce-scatters after every micro-batch (each behind
+    # its backward). ZeRO-3 also all-gathers the weights before every micro-batch's forward and
+    # again in its backward (1.5 all-reduces per micro-batch); prefetching hides them behind all
+    # of the compute.
+    dp_group = plan["dp"] * cp
     dp_link = link(cluster, gpus > cluster["gpus_per_node"])
     gradient_bytes = state["parameters"] * PRECISIONS[plan["precision"]]["gradients"]
-    all_reduce = ring_all_reduce_time(gradient_bytes, plan["dp"], dp_link)
+    gather = ring_all_gather_time(gradient_bytes, dp_group, dp_link)  # = one reduce-scatter
     if plan["zero_stage"] == 3:
-        dp_time = all_reduce / 2 + m * all_reduce
+        dp_time = m * 3 * gather
         hidden = m * compute_per_micro_batch
+    elif plan["zero_stage"] == 2:
+        dp_time = m * gather + gather
+        hidden = m * 2 / 3 * compute_per_micro_batch
     else:
-        dp_time = all_reduce
+        dp_time = ring_all_reduce_time(gradient_bytes, dp_group, dp_link)
         hidden = 2 / 3 * compute_per_micro_batch
     exposed_dp = max(0, dp_time - hidden)
 
     step_time = pipeline_time + exposed_dp
     tokens_per_step = tokens_per_micro_batch * m * plan["dp"]
+    tokens_per_s = tokens_per_step / step_time
     return {
         "gpus": gpus,
         "parameters": parameter_count(model),
@@ -328,13 +486,18 @@ def plan_training(model, plan, cluster):
                          "activations": activations, "total": memory},
         "fits": memory <= capacity,
         "memory_fraction": memory / capacity,
-        "flops_per_token": training_flops_per_token(model, plan["seq_len"]),
+        "flops_per_token": model_flops_per_token(model, plan),
         "time_s": {"compute": m * compute_per_micro_batch, "tensor_parallel": m * tp_per_micro_batch,
+                   "context_parallel": m * cp_per_micro_batch,
                    "pipeline_p2p": m * pp_per_micro_batch, "bubble": bubble * pipeline_time,
                    "data_parallel": dp_time, "data_parallel_exposed": exposed_dp,
                    "step": step_time},
         "bubble_fraction": bubble,
         "tokens_per_step": tokens_per_step,
-        "tokens_per_s": tokens_per_step / step_time,
+        "tokens_per_s": tokens_per_s,
+        # MFU: model FLOPs (by the plan's convention, recomputation not counted) per second,
+        # over the peak of all the GPUs.
+        "model_flops_utilization": (model_flops_per_token(model, plan) * tokens_per_s
+                                    / (gpus * peak)),
     }
 # --8<-- [end:plan]

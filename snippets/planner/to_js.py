@@ -56,8 +56,9 @@ def expr(node) -> str:
             if isinstance(op, (ast.In, ast.NotIn)):
                 if isinstance(right, (ast.Tuple, ast.List)):
                     test = f"{expr(right)}.includes({expr(left)})"
-                else:
-                    test = f"({expr(left)} in {expr(right)})"
+                else:  # a name: a tuple (an array in JavaScript) or a dict
+                    r, item = expr(right), expr(left)
+                    test = f"(Array.isArray({r}) ? {r}.includes({item}) : ({item} in {r}))"
                 return f"(!{test})" if isinstance(op, ast.NotIn) else test
             if type(op) in COMPARE:
                 return f"({expr(left)} {COMPARE[type(op)]} {expr(right)})"

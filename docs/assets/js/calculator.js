@@ -9,14 +9,19 @@
     ["dp", "Data-parallel size (dp)", "int", 8],
     ["tp", "Tensor-parallel size (tp)", "int", 1],
     ["pp", "Pipeline stages (pp)", "int", 1],
+    ["virtual_stages", "Interleaved chunks per pipeline rank (v)", "int", 1],
+    ["cp", "Context-parallel size (cp)", "int", 1],
+    ["cp_overlap", "Overlap ring attention with compute", "bool", true],
+    ["sp", "Sequence parallelism (with tp)", "bool", false],
     ["zero_stage", "ZeRO stage", "select", "1", ["0", "1", "2", "3"]],
     ["precision", "Precision", "select", "bf16", ["fp32", "bf16", "fp8"]],
-    ["recompute", "Recompute activations", "bool", false],
+    ["recompute", "Recompute activations", "select", "none", ["none", "selective", "full"]],
     ["micro_batch_size", "Micro-batch size (sequences)", "int", 1],
     ["micro_batches", "Micro-batches per step (per dp rank)", "int", 8],
     ["seq_len", "Sequence length", "int", 2048],
     ["schedule", "Pipeline schedule", "select", "1f1b", ["1f1b", "gpipe"]],
-    ["mfu", "Fraction of peak FLOP/s reached (MFU)", "float", 0.4],
+    ["mfu", "Fraction of peak FLOP/s the matmuls reach", "float", 0.4],
+    ["flops", "FLOPs counted in MFU", "select", "matmuls+attention", ["matmuls+attention", "matmuls", "6N"]],
   ];
   const CLUSTER_FIELDS = [
     ["gpus_per_node", "GPUs per node", "int"],
@@ -75,7 +80,7 @@
     }
     const m = r.memory_bytes, t = r.time_s;
     const rows = [
-      ["GPUs (dp × tp × pp)", r.gpus, "gpus"],
+      ["GPUs (dp × tp × pp × cp)", r.gpus, "gpus"],
       ["Parameters", (r.parameters / 1e9).toFixed(3) + " B", "parameters"],
       ["Parameters per GPU", (r.parameters_per_gpu / 1e9).toFixed(3) + " B", "parameters_per_gpu"],
       ["Weights", gb(m.weights), "weights"],
@@ -88,12 +93,14 @@
                                 : `no (${(100 * r.memory_fraction).toFixed(0)}%)`, "fits"],
       ["Compute per step", seconds(t.compute), "compute"],
       ["Tensor-parallel all-reduces", seconds(t.tensor_parallel), "tensor_parallel"],
+      ["Context-parallel K/V exchange (exposed)", seconds(t.context_parallel), "context_parallel"],
       ["Pipeline sends", seconds(t.pipeline_p2p), "pipeline_p2p"],
       ["Pipeline bubble", `${seconds(t.bubble)} (${(100 * r.bubble_fraction).toFixed(1)}%)`, "bubble"],
       ["Data-parallel sync (exposed)", `${seconds(t.data_parallel)} (${seconds(t.data_parallel_exposed)})`, "data_parallel"],
       ["Step time", seconds(t.step), "step"],
       ["Tokens per step", r.tokens_per_step.toLocaleString("en-US"), "tokens_per_step"],
       ["Tokens per second", Math.round(r.tokens_per_s).toLocaleString("en-US"), "tokens_per_s"],
+      ["Model FLOPs utilisation (MFU)", (100 * r.model_flops_utilization).toFixed(1) + "%", "model_flops_utilization"],
     ];
     out.innerHTML = "<table><tbody>" + rows.map(
       ([label, value, key]) => `<tr><th>${label}</th><td data-out="${key}">${value}</td></tr>`
