@@ -143,10 +143,10 @@ print(f"{int((counts > 0).sum())} distinct bytes occur in the training text; "
 # %% [markdown]
 # What to observe:
 #
-# - **Step 1 is at $\ln 256$**, as predicted. Within about 20 steps the loss falls to about
-#   3.3: the model has learned which bytes occur and how often (only 44 distinct bytes occur in
-#   this text, and the entropy of their frequencies is the dotted line). That takes no context
-#   at all.
+# - **Step 1 is at $\ln 256$**, as predicted. Within a few dozen steps the loss falls to near
+#   the dotted line: the model has learned which bytes occur and how often (the line under the
+#   plot prints how few distinct bytes this text uses, and the entropy of their frequencies,
+#   which is the dotted line). That takes no context at all.
 # - **The second, slower descent is the model using context**: spaces after words, `=` after
 #   `name`, the verb agreeing with its subject, digits after `record`. Each of those is a
 #   regularity the attention layers have to find, which is why the curve bends rather than
@@ -162,9 +162,10 @@ for ckpt in sorted(Path("unbroken/checkpoints").iterdir()):
     print(f"{ckpt.name:<24} {ckpt.stat().st_size:>10,} bytes")
 
 # %% [markdown]
-# A checkpoint every 40 steps, and one at the end. Each `.pt` file has a `.pt.json` beside it
-# holding its size and SHA-256: the loader checks both, so a file cut short by a crash is
-# reported instead of half-loaded (see `snippets/training/checkpoint.py`). What is inside?
+# A checkpoint every 40 steps, and one at the end; `latest` holds the newest one's name. Each
+# `.pt` file has a `.pt.json` beside it holding its size and SHA-256, written after the file:
+# the loader checks both, so a file cut short by a crash is reported instead of half-loaded
+# (see `snippets/training/checkpoint.py`). What is inside?
 
 # %%
 from snippets.training.checkpoint import load_checkpoint
@@ -317,10 +318,10 @@ for prompt in ["record 9061: name=gus city=oslo age=27 | check ", "61 - 19 = ", 
 #   record's `check` is followed by digits and ` -> `, and a sum by a short number and a line
 #   break. It has none of the *content*: the id after `check` is not copied from the start of
 #   the line, the difference is wrong, and an ordinary sentence falls into a loop of its
-#   commonest words, the classic failure of greedy decoding from a weak model. A loss of about
-#   1.95 nats per byte is still far from the text's structure. Lab 1 trains the same model for
-#   526 steps, after which it writes well-formed records and sentences (still without copying
-#   the id), and finds a deeper model that starts to copy.
+#   commonest words, the classic failure of greedy decoding from a weak model. The validation
+#   loss printed above is still far from the text's structure. Lab 1 trains the same model for
+#   two full epochs of the training text, after which it writes well-formed records and
+#   sentences (still without copying the id), and finds a deeper model that starts to copy.
 #
 # ## Key takeaways
 #

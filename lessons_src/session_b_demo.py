@@ -182,11 +182,14 @@ right.set(xlabel="optimizer step", ylabel="local loss - global loss (nats)",
 right.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
+spread = max(abs(s["local"] - s["global"]) for records in runs.values() for s in records)
+print(f"largest gap between a local loss and the global one: {spread:.3f} nats")
 
 # %% [markdown]
 # On the left the five curves are hard to tell apart; the right panel subtracts the global loss.
-# In this run every local loss stays within about 0.03 nats of the global one, and no rank is
-# consistently above or below it: the scatter comes from the batches, not from the workers.
+# In this run every local loss stays within a few hundredths of a nat of the global one (the
+# largest gap is printed under the plot), and no rank is consistently above or below it: the
+# scatter comes from the batches, not from the workers.
 #
 # This is the question of Lab 2: **why are the loss values slightly different per step, but
 # similar?**
