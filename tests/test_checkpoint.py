@@ -54,8 +54,10 @@ def test_keep_last_k(tmp_path):
         manager.save(step, _state(step))
     assert [s for s, _ in manager.checkpoints()] == [30, 40]
     assert sorted(p.name for p in (tmp_path / "ckpts").iterdir()) == [
-        "ckpt-00000030.pt", "ckpt-00000030.pt.json", "ckpt-00000040.pt", "ckpt-00000040.pt.json"]
+        "ckpt-00000030.pt", "ckpt-00000030.pt.json", "ckpt-00000040.pt", "ckpt-00000040.pt.json",
+        "latest"]
     assert manager.latest() == manager.path_for(40)
+    assert (tmp_path / "ckpts" / "latest").read_text() == "ckpt-00000040.pt\n"
     leftover = tmp_path / "ckpts" / ".ckpt-00000050.pt.1234.deadbeef.tmp"  # a killed save
     leftover.write_bytes(b"half a checkpoint")
     manager.save(50, _state(50))
@@ -64,6 +66,35 @@ def test_keep_last_k(tmp_path):
     loaded = manager.load_latest()
     assert loaded.step == 50 and loaded.state["step"] == 50
     assert manager.remove_all() == 2 and list((tmp_path / "ckpts").iterdir()) == []
+
+
+def test_prunes_only_what_this_run_wrote(tmp_path):
+    # An earlier run kept every checkpoint (Lab 1's --keep-last 11); a resumed run with the
+    # default keep_last=3 must leave them all, and rotate only its own.
+    earlier = CheckpointManager(tmp_path, keep_last=10)
+    for step in (10, 20, 30, 40, 50):
+        earlier.save(step, _state(step))
+    resumed = CheckpointManager(tmp_path, keep_last=3)
+    for step in (60, 70, 80, 90):
+        resumed.save(step, _state(step))
+    assert [s for s, _ in resumed.checkpoints()] == [10, 20, 30, 40, 50, 70, 80, 90]
+
+
+def test_overwriting_a_name_never_pairs_a_file_with_an_old_checksum(tmp_path, monkeypatch):
+    # A crash after the new file is renamed into place but before its checksum is written
+    # must leave a loadable checkpoint: the old sidecar describes the old bytes.
+    path = save_checkpoint(tmp_path / "a.pt", _state(1))
+    real_write = ckpt._write_atomic
+
+    def crash(target, write):
+        raise KeyboardInterrupt("killed")  # stands in for a kill between the two writes
+
+    monkeypatch.setattr(ckpt, "_write_atomic", crash)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(path, _state(2))
+    monkeypatch.setattr(ckpt, "_write_atomic", real_write)
+    assert not (tmp_path / "a.pt.json").exists()
+    assert load_checkpoint(path)["step"] == 2  # checked by loading, and it is the new one
 
 
 def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
@@ -81,8 +112,11 @@ def test_truncated_newest_falls_back_to_previous(tmp_path, caplog):
         loaded = manager.load_latest()
     assert loaded.step == 10 and loaded.path == manager.path_for(10)
     assert torch.equal(loaded.state["weights"], _state(10)["weights"])
-    assert "ckpt-00000020.pt" in caplog.text and "truncated" in caplog.text
-    assert "instead of the newest" in caplog.text
+    # One line: which file, what is wrong, and that an older one is used.
+    [message] = caplog.messages
+    assert "\n" not in message
+    assert "ckpt-00000020.pt" in message and "truncated" in message
+    assert "falling back to the checkpoint before it" in message
 
 
 def test_truncated_without_sidecar_is_caught_by_load(tmp_path):

@@ -303,22 +303,65 @@ def test_cli_trains_and_resumes(tmp_path):
                      r"[\d,]+ tokens/s", text), text
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+)", text).groups())
     assert last < first - 1.0, text  # from ~ln(256) = 5.5 to well below
-    assert (out / "ckpt.pt").is_file()
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 50
+    assert (out / "latest").read_text() == "ckpt-00000050.pt\n"
+    assert torch.load(out / "ckpt-00000050.pt", weights_only=True)["step"] == 50
 
     # --resume continues from step 50; a longer --max_steps stretches the schedule (warned).
     args = ["--model_size", "small", "--batch_size", "4", "--seq_len", "64", "--device", "cpu",
             "--out", str(out), "--resume", "--max_steps", "52"]
     assert main(args) == 0
-    assert torch.load(out / "ckpt.pt", weights_only=True)["step"] == 52
+    assert torch.load(out / "ckpt-00000052.pt", weights_only=True)["step"] == 52
+    assert (out / "latest").read_text() == "ckpt-00000052.pt\n"
+    assert (out / "ckpt-00000050.pt").is_file()  # the earlier run's checkpoint stays
     assert main(args) == 0  # nothing left to do
+
+
+TINY_RUN = ["--model_size", "tiny", "--max_steps", "2", "--batch_size", "2", "--seq_len", "16",
+            "--device", "cpu", "--data", "dummy"]
+
+
+def test_cli_never_writes_over_an_earlier_run(tmp_path, capsys):
+    out = str(tmp_path / "run")
+    assert main(TINY_RUN + ["--out", out]) == 0
+    before = (tmp_path / "run" / "ckpt-00000002.pt").read_bytes()
+    capsys.readouterr()
+    # Again without --resume (here with another model size): refused, in one line.
+    assert main([*TINY_RUN[:1], "small", *TINY_RUN[2:], "--out", out]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds a run (1 checkpoint (step 2))" in err
+    assert "--resume" in err and "a new --out" in err and "--overwrite" in err
+    assert (tmp_path / "run" / "ckpt-00000002.pt").read_bytes() == before
+    # --resume into another model size: refused, naming the fields that differ.
+    assert main([*TINY_RUN[:1], "small", *TINY_RUN[2:], "--out", out, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "holds a different model (checkpoint -> now: hidden_size 64 -> 128" in err, err
+    assert (tmp_path / "run" / "ckpt-00000002.pt").read_bytes() == before
+    # --overwrite replaces it, deleting only the checkpoints (a learner's notes stay).
+    (tmp_path / "run" / "notes.txt").write_text("mine")
+    assert main(TINY_RUN + ["--out", out, "--overwrite", "--seed", "7"]) == 0
+    assert (tmp_path / "run" / "ckpt-00000002.pt").read_bytes() != before
+    assert (tmp_path / "run" / "notes.txt").read_text() == "mine"
+
+
+def test_cli_resume_skips_a_damaged_newest_checkpoint(tmp_path, capsys, caplog):
+    out = tmp_path / "run"
+    assert main(TINY_RUN + ["--out", str(out), "--ckpt_every", "1"]) == 0
+    (out / "ckpt-00000002.pt").write_bytes(b"half a file")
+    capsys.readouterr()
+    assert main([*TINY_RUN[:2], "--max_steps", "3", *TINY_RUN[4:], "--out", str(out),
+                 "--resume"]) == 0
+    assert f"resumed from {out / 'ckpt-00000001.pt'} at step 1" in capsys.readouterr().out
+    [warning] = caplog.messages  # one line: which file, what is wrong
+    assert "\n" not in warning and str(out / "ckpt-00000002.pt") in warning
+    assert "truncated" in warning and "falling back to the checkpoint before it" in warning
+    assert torch.load(out / "ckpt-00000003.pt", weights_only=True)["step"] == 3
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
     assert main(["--model_size", "huge", "--out", str(tmp_path)]) == 2
     assert "unknown config 'huge'" in capsys.readouterr().err
     assert main(["--model_size", "tiny", "--resume", "--out", str(tmp_path / "none")]) == 2
-    assert "checkpoint not found" in capsys.readouterr().err
+    assert "no checkpoint to resume from" in capsys.readouterr().err
     assert main(["--model_size", "tiny", "--seq_len", "1000", "--out", str(tmp_path)]) == 2
     assert "exceeds the model's max_position_embeddings" in capsys.readouterr().err
 

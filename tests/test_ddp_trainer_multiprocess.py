@@ -92,4 +92,5 @@ def test_learning_guide_command_under_torchrun(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert "x processes 2 x" in result.stdout
     assert result.stdout.count("done: 10 steps") == 1  # only rank 0 prints
-    assert (tmp_path / "ckpt.pt").exists()
+    assert (tmp_path / "latest").read_text() == "ckpt-00000010.pt\n"
+    assert (tmp_path / "ckpt-00000010.pt").exists()

@@ -191,10 +191,21 @@ def fully_shard_and_zero3(rank, world_size) -> tuple[dict, dict]:
 # --8<-- [end:two-process-worker]
 
 
+def two_process_and_command_line_worker(rank, world_size, tmp, second_port):
+    seen = two_process_worker(rank, world_size, tmp)
+    # Last: the command line ends by destroying the process group.
+    seen["command line"] = command_line_worker(rank, world_size, command_line_argv(tmp),
+                                               second_port)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def two_processes(tmp_path_factory):
+    from snippets.dist import free_port
+
     tmp = tmp_path_factory.mktemp("fsdp")
-    return spawn(two_process_worker, 2, str(tmp), timeout_s=TIMEOUT_S), tmp
+    return spawn(two_process_and_command_line_worker, 2, str(tmp), free_port(),
+                 timeout_s=TIMEOUT_S), tmp
 
 
 @pytest.fixture(scope="module")
@@ -339,3 +350,43 @@ def test_bad_settings_are_refused_with_the_valid_choices():
         FSDPConfig(mixed_precision="float16")
     with pytest.raises(ConfigError, match="fp16.* needs loss scaling"):
         FSDPTrainer(MODEL, train_config(1), FSDPConfig(mixed_precision="fp16"))
+
+
+def command_line_worker(rank, world_size, argv, second_port):
+    """fsdp_trainer's command line, twice in the same processes: train 2 steps, damage the
+    newest checkpoint, resume. Returns the exit codes and rank 0's log of the resumed run."""
+    import contextlib
+    import io
+    import os
+
+    from snippets.training.fsdp_trainer import main
+
+    codes = [main(argv)]  # main() ends by destroying the process group...
+    out = argv[argv.index("--out") + 1]
+    if rank == 0:
+        os.remove(f"{out}/ckpt-00000002.dcp/.metadata")  # a damaged newest checkpoint
+    os.environ["MASTER_PORT"] = str(second_port)  # ...so the second joins a new one
+    log = io.StringIO()
+    with contextlib.redirect_stdout(log):
+        codes.append(main(argv + ["--resume"]))
+    return codes, log.getvalue()
+
+
+def command_line_argv(tmp) -> list[str]:
+    return ["--model_size", "tiny", "--data", "dummy", "--batch_size", "2", "--seq_len", "16",
+            "--device", "cpu", "--checkpoint", "sharded", "--ckpt_every", "1", "--keep_last",
+            "2", "--log_every", "100", "--max_steps", "2", "--out", f"{tmp}/command-line"]
+
+
+def test_command_line_writes_step_numbered_dcp_checkpoints_and_skips_a_damaged_one(
+        two_processes):
+    ranks, tmp = two_processes
+    out = tmp / "command-line"
+    assert [rank["command line"][0] for rank in ranks] == [[0, 0], [0, 0]]
+    # The damaged step-2 directory was skipped (one warning line on each rank's stderr),
+    # step 2 trained again from step 1 and written again, whole; no temp directory is left.
+    assert f"resumed from {out / 'ckpt-00000001.dcp'} at step 1" in ranks[0]["command line"][1]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "ckpt-00000001.dcp", "ckpt-00000002.dcp", "latest"]
+    assert (out / "ckpt-00000002.dcp" / ".metadata").is_file()
+    assert (out / "latest").read_text() == "ckpt-00000002.dcp\n"

@@ -83,6 +83,44 @@ def test_resume_is_bit_exact(tmp_path):
     assert logged_losses(broken) == logged_losses(tmp_path / "unbroken")
 
 
+def test_a_rerun_never_destroys_the_earlier_run(tmp_path, capsys):
+    out = tmp_path / "run"
+    short = FAST + ["--epochs", "1", "--steps-per-epoch", "4", "--eval-every", "0",
+                    "--ckpt-every", "2", "--out", str(out)]
+    assert main(short) == 0
+    before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    # The same command again (or the tutorial's challenge: another config): refused, in one
+    # line saying what is there and the three ways on, and nothing is touched.
+    assert main(short[:1] + ["small"] + short[2:]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: {out} already holds a run (2 checkpoints (steps 2-4), "
+                   "metrics.jsonl, run.json, loss.png): pass --resume to continue it, a new "
+                   "--out to keep it, or --overwrite to replace it\n")
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+    # --overwrite deletes only what this script writes.
+    (out / "notes.txt").write_text("mine")
+    (out / "checkpoints" / "best.pt").write_bytes(b"kept by hand")
+    assert main(short + ["--overwrite", "--seed", "1"]) == 0
+    assert "--overwrite: removed the earlier run" in capsys.readouterr().out
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "checkpoints" / "best.pt").read_bytes() == b"kept by hand"
+    assert (out / "checkpoints" / "ckpt-00000004.pt").read_bytes() != before["ckpt-00000004.pt"]
+
+
+def test_resume_prunes_only_its_own_checkpoints(tmp_path):
+    # Lab 1 keeps every checkpoint (--keep-last 11); a later --resume with the default
+    # --keep-last 3 must not delete them.
+    out = str(tmp_path / "run")
+    common = FAST + ["--epochs", "1", "--steps-per-epoch", "12", "--eval-every", "0",
+                     "--ckpt-every", "1", "--out", out]
+    train(parse_args(common + ["--keep-last", "11", "--max-steps", "6"]))
+    train(parse_args(common + ["--resume"]))
+    steps = sorted(int(p.stem[5:]) for p in (tmp_path / "run" / "checkpoints").glob("*.pt"))
+    assert steps == [1, 2, 3, 4, 5, 6, 10, 11, 12]  # the first run's 6, the resumed run's last 3
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text() == "ckpt-00000012.pt\n"
+
+
 @pytest.mark.parametrize("device", ["cuda", "mps"])
 def test_unavailable_device_is_a_clear_error(device, tmp_path, capsys):
     available = torch.cuda.is_available() if device == "cuda" else torch.backends.mps.is_available()

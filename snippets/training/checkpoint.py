@@ -5,16 +5,20 @@
   and only then renames it into place with ``os.replace`` (atomic on POSIX
   and Windows when source and target are on the same filesystem).
 * Next to every ``ckpt-000020.pt`` sits ``ckpt-000020.pt.json`` with the
-  file's size and SHA-256, written *before* the checkpoint is renamed into
-  place. Loading checks both, so a truncated or bit-flipped file is reported
+  file's size and SHA-256, written (atomically too) *after* the checkpoint is
+  in place: a crash in between leaves a good file with no checksum, which is
+  then checked by loading it, never a good file with someone else's checksum.
+  Loading checks both, so a truncated or bit-flipped file is reported
   instead of being half-loaded.
 * Loading always uses ``torch.load(..., weights_only=True)``: unpickling an
   arbitrary file can run arbitrary code, and weights-only loading accepts only
   tensors and plain containers/numbers/strings. ``save_checkpoint`` checks the
   state against that rule up front, so an unloadable checkpoint is caught at
   save time, not at resume time.
-* ``CheckpointManager`` keeps the last K checkpoints of a run and, when the
-  newest one is damaged, falls back to the previous good one with a warning.
+* ``CheckpointManager`` writes step-numbered files and a ``latest`` pointer,
+  keeps the last K of the checkpoints *it* wrote (never one it did not), and,
+  when the newest one is damaged, says so in one line and falls back to the
+  previous good one.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import logging
 import os
 import random
 import re
+import shutil
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +52,16 @@ class CorruptCheckpointError(CheckpointError):
 
 class NoCheckpointError(CheckpointError, FileNotFoundError):
     """There is no checkpoint to resume from."""
+
+
+class RunExistsError(CheckpointError):
+    """A fresh run was pointed at a directory that holds an earlier run."""
+
+
+def config_diff(saved: dict, now: dict) -> str:
+    """The fields that differ, as 'name saved -> now', comma-separated ('' if none)."""
+    return ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
+                     for key in {**saved, **now} if saved.get(key) != now.get(key))
 
 
 # --8<-- [start:unwrap-model]
@@ -83,7 +98,7 @@ def _check_weights_only_safe(obj: Any, where: str = "state") -> None:
                     "(e.g. numpy array -> torch.from_numpy, RNG state -> tensor or list).")
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
     """Make the rename itself durable (POSIX). Not possible, nor needed, on Windows."""
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -114,7 +129,7 @@ def _write_atomic(path: Path, write) -> None:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def _sha256(path: Path) -> str:
@@ -131,7 +146,7 @@ def _sidecar(path: Path) -> Path:
 
 # --8<-- [start:atomic-save]
 def save_checkpoint(path: str | Path, state: dict) -> Path:
-    """Write ``state`` to ``path`` atomically, with a size + SHA-256 sidecar."""
+    """Write ``state`` to ``path`` atomically, then its size + SHA-256 sidecar."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _check_weights_only_safe(state)
@@ -142,13 +157,16 @@ def save_checkpoint(path: str | Path, state: dict) -> Path:
             f.flush()
             os.fsync(f.fileno())  # the bytes are on disk before any name points at them
         meta = {"file": path.name, "bytes": tmp.stat().st_size, "sha256": _sha256(tmp)}
-        # The sidecar goes in first: a checkpoint under its final name always has one.
-        _write_atomic(_sidecar(path), lambda f: f.write(json.dumps(meta).encode()))
+        # A sidecar may only ever describe the file beside it: an old one goes first.
+        _sidecar(path).unlink(missing_ok=True)
         os.replace(tmp, path)  # atomic: the old file or the new one, never half of one
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
+    # The checksum goes in last: a crash before this line leaves a complete file with no
+    # sidecar (checked by loading it), never a good file with a checksum that is not its own.
+    _write_atomic(_sidecar(path), lambda f: f.write(json.dumps(meta).encode()))
     return path
 # --8<-- [end:atomic-save]
 
@@ -200,18 +218,23 @@ class LoadedCheckpoint:
 
 
 class CheckpointManager:
-    """``ckpt-<step>.pt`` files in one directory, keeping the newest ``keep_last``."""
+    """``ckpt-<step>.pt`` files in one directory, a ``latest`` pointer to the newest, and the
+    newest ``keep_last`` of the checkpoints this manager wrote.
 
-    pattern = re.compile(r"^ckpt-(\d+)\.pt$")
+    ``suffix=".dcp"`` manages checkpoint *directories* (torch.distributed.checkpoint) instead.
+    """
 
-    def __init__(self, directory: str | Path, keep_last: int = 3):
+    def __init__(self, directory: str | Path, keep_last: int = 3, suffix: str = ".pt"):
         if keep_last < 1:
             raise ValueError(f"keep_last must be >= 1, got {keep_last}")
         self.directory = Path(directory)
         self.keep_last = keep_last
+        self.suffix = suffix
+        self.pattern = re.compile(rf"^ckpt-(\d+){re.escape(suffix)}$")
+        self.written: list[Path] = []  # what this run wrote: the only checkpoints it deletes
 
     def path_for(self, step: int) -> Path:
-        return self.directory / f"ckpt-{step:08d}.pt"
+        return self.directory / f"ckpt-{step:08d}{self.suffix}"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
         """(step, path) of every checkpoint file, oldest first."""
@@ -229,50 +252,74 @@ class CheckpointManager:
         found = self.checkpoints()
         return found[-1][1] if found else None
 
+    def describe(self) -> str:
+        """'3 checkpoints (steps 50-150)', for messages; '' when there are none."""
+        steps = [step for step, _ in self.checkpoints()]
+        if not steps:
+            return ""
+        if len(steps) == 1:
+            return f"1 checkpoint (step {steps[0]})"
+        return f"{len(steps)} checkpoints (steps {steps[0]}-{steps[-1]})"
+
     # --8<-- [start:rotate]
     def save(self, step: int, state: dict) -> Path:
-        path = save_checkpoint(self.path_for(step), state)
-        # Only now that the new file is safely in place may old ones go.
-        for _, old in self.checkpoints()[: -self.keep_last]:
+        return self.commit(save_checkpoint(self.path_for(step), state))
+
+    def commit(self, path: Path) -> Path:
+        """``path`` is complete on disk: point ``latest`` at it, then drop this run's old ones."""
+        _write_atomic(self.directory / "latest", lambda f: f.write(f"{path.name}\n".encode()))
+        self.written = [p for p in self.written if p != path] + [path]
+        # Only now that the new file is safely in place may old ones go, and only the ones
+        # this run wrote: checkpoints from before a --resume are the learner's to delete.
+        for old in self.written[: -self.keep_last]:
             self._remove(old)
-        for leftover in self.directory.glob(".ckpt-*.tmp"):  # from a save that was killed
-            leftover.unlink(missing_ok=True)
+        self.written = self.written[-self.keep_last:]
+        for pattern in (f".ckpt-*{self.suffix}*.tmp", ".latest.*.tmp"):  # from a killed save
+            for leftover in self.directory.glob(pattern):
+                self._remove(leftover)
         return path
     # --8<-- [end:rotate]
 
     def remove_all(self) -> int:
-        """Delete every checkpoint (a fresh run must not mix with an old one); returns the count."""
+        """Delete every checkpoint and the pointer (for --overwrite); returns the count."""
         found = self.checkpoints()
         for _, path in found:
             self._remove(path)
+        (self.directory / "latest").unlink(missing_ok=True)
         return len(found)
 
     @staticmethod
     def _remove(path: Path) -> None:
-        path.unlink(missing_ok=True)
-        _sidecar(path).unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+            _sidecar(path).unlink(missing_ok=True)
 
     # --8<-- [start:load-latest]
-    def load_latest(self, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
-        """The newest checkpoint that verifies and loads; damaged ones are skipped with a warning."""
+    def load_newest_good(self, load):
+        """``(step, path, load(path))`` for the newest checkpoint ``load`` accepts. A damaged
+        one (``load`` raises CorruptCheckpointError) is reported in one line and skipped."""
         found = self.checkpoints()
         if not found:
             raise NoCheckpointError(f"no checkpoint to resume from in {self.directory} "
-                                    "(looked for ckpt-*.pt); start a run without --resume first")
+                                    f"(looked for ckpt-*{self.suffix}); start a run without "
+                                    "--resume first")
         problems = []
         for step, path in reversed(found):
             try:
-                state = load_checkpoint(path, map_location=map_location)
-            except CheckpointError as err:
+                return step, path, load(path)
+            except CorruptCheckpointError as err:
                 problems.append(str(err))
-                log.warning("skipping damaged checkpoint: %s; falling back to the previous one", err)
-                continue
-            if problems:
-                log.warning("resuming from %s (step %d) instead of the newest checkpoint",
-                            path.name, step)
-            return LoadedCheckpoint(step=step, path=path, state=state)
-        raise CheckpointError(f"all {len(found)} checkpoints in {self.directory} are damaged:\n  "
-                              + "\n  ".join(problems))
+                log.warning("%s; falling back to the checkpoint before it", err)
+        raise CorruptCheckpointError(f"all {len(found)} checkpoints in {self.directory} are "
+                                     "damaged:\n  " + "\n  ".join(problems))
+
+    def load_latest(self, map_location: str | torch.device = "cpu") -> LoadedCheckpoint:
+        """The newest checkpoint that verifies and loads; damaged ones are skipped."""
+        step, path, state = self.load_newest_good(
+            lambda p: load_checkpoint(p, map_location=map_location))
+        return LoadedCheckpoint(step=step, path=path, state=state)
     # --8<-- [end:load-latest]
 
 

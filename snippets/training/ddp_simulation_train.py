@@ -31,6 +31,7 @@ from snippets.data.dataset import load_tokens
 from snippets.dist import init_from_env
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import load_checkpoint, save_checkpoint, unwrap_model
+from snippets.training.flags import Parser, int_at_least, positive_float
 
 
 class Windows(Dataset):
@@ -48,23 +49,39 @@ class Windows(Dataset):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=30, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per rank per step")
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int_at_least(1), default=30, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8,
+                   help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="logs", help="each rank writes LOG_DIR/rank_N/train.log")
     p.add_argument("--ckpt", default="runs/ddp_simulation/ckpt.pt")
-    p.add_argument("--ckpt-every", type=int, default=5)
+    p.add_argument("--ckpt-every", type=int_at_least(1), default=5)
     p.add_argument("--no-sync", action="store_true",
                    help="skip gradient synchronisation: replicas drift apart")
-    p.add_argument("--fail-rank", type=int, default=None, help="rank that crashes on purpose")
-    p.add_argument("--fail-step", type=int, default=None, help="step at which it crashes")
-    p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
+    p.add_argument("--fail-rank", type=int_at_least(0), default=None,
+                   help="rank that crashes on purpose (needs --fail-step)")
+    p.add_argument("--fail-step", type=int_at_least(0), default=None,
+                   help="step at which it crashes (needs --fail-rank)")
+    p.add_argument("--timeout", type=positive_float, default=60,
+                   help="seconds a collective may wait")
     p.add_argument("--grad-norm", action="store_true",
                    help="also log each rank's gradient norm before and after synchronisation")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    # A failure that cannot happen would let the run pass silently: refuse it instead.
+    world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
+    if (args.fail_rank is None) != (args.fail_step is None):
+        p.error("--fail-rank and --fail-step go together: pass both (e.g. --fail-rank 1 "
+                "--fail-step 3) or neither")
+    if args.fail_rank is not None and args.fail_rank >= world:
+        p.error(f"argument --fail-rank: must be a rank of this job, 0 to {world - 1} "
+                f"(WORLD_SIZE={world}), got {args.fail_rank}")
+    if args.fail_step is not None and args.fail_step >= args.steps:
+        p.error(f"argument --fail-step: must be below --steps {args.steps} or the failure "
+                f"never happens, got {args.fail_step}")
+    return args
 
 
 # --8<-- [start:rank-logger]

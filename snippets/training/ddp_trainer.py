@@ -41,13 +41,17 @@ from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
 from snippets.training.checkpoint import (
     CheckpointError,
+    CheckpointManager,
+    RunExistsError,
     capture_rng_state,
+    config_diff,
     restore_rng_state,
     seed_everything,
     unwrap_model,
 )
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
+from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
 
 
 # --8<-- [start:train-config]
@@ -324,9 +328,9 @@ class DistributedTrainer:
         # plain containers are accepted. map_location="cpu" loads a GPU checkpoint anywhere;
         # load_state_dict then copies each tensor to where the model's own tensor lives.
         state = load_verified(path, map_location="cpu")
-        if state["model_config"] != self.config.to_dict():
-            raise CheckpointError(f"{path} holds a different model ({state['model_config']}); "
-                                  f"use the same --model_size it was trained with")
+        if diff := config_diff(state["model_config"], self.config.to_dict()):
+            raise CheckpointError(f"{path} holds a different model (checkpoint -> now: {diff}); "
+                                  "use the --model_size it was trained with")
         unwrap_model(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])
@@ -345,41 +349,88 @@ class DistributedTrainer:
     # --8<-- [end:checkpoint]
 
 
+def save_step(trainer, manager: CheckpointManager) -> None:
+    """Save the current step as the manager's next checkpoint (rank 0 writes, all wait)."""
+    path = manager.path_for(trainer.step)
+    trainer.save_checkpoint_once(path)
+    if trainer.is_main:
+        manager.commit(path)
+
+
 def build_parser(description: str, out: str) -> argparse.ArgumentParser:
     """The trainers' shared command line (fsdp_trainer.py adds its own options to it)."""
     defaults = TrainConfig()
-    p = argparse.ArgumentParser(description=description,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model_size", default="small",
                    help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
     p.add_argument("--data", default=defaults.data,
                    help="builtin (generated corpus), dummy (random tokens), or a UTF-8 text file")
-    p.add_argument("--max_steps", type=int, default=defaults.max_steps)
-    p.add_argument("--batch_size", type=int, default=defaults.batch_size,
+    p.add_argument("--max_steps", type=int_at_least(1), default=defaults.max_steps)
+    p.add_argument("--batch_size", type=int_at_least(1), default=defaults.batch_size,
                    help="micro-batch: sequences per forward/backward")
-    p.add_argument("--grad_accum_steps", type=int, default=defaults.grad_accum_steps)
-    p.add_argument("--seq_len", type=int, default=None,
+    p.add_argument("--grad_accum_steps", type=int_at_least(1), default=defaults.grad_accum_steps)
+    p.add_argument("--seq_len", type=int_at_least(1), default=None,
                    help="tokens per sequence (default: the config's max_position_embeddings)")
-    p.add_argument("--lr", type=float, default=defaults.lr, help="peak learning rate")
-    p.add_argument("--min_lr", type=float, default=None,
+    p.add_argument("--lr", type=positive_float, default=defaults.lr, help="peak learning rate")
+    p.add_argument("--min_lr", type=float_at_least(0), default=None,
                    help="final learning rate of the cosine decay (default: lr / 10)")
-    p.add_argument("--warmup_steps", type=int, default=defaults.warmup_steps)
-    p.add_argument("--weight_decay", type=float, default=defaults.weight_decay)
-    p.add_argument("--grad_clip", type=float, default=defaults.grad_clip,
+    p.add_argument("--warmup_steps", type=int_at_least(0), default=defaults.warmup_steps)
+    p.add_argument("--weight_decay", type=float_at_least(0), default=defaults.weight_decay)
+    p.add_argument("--grad_clip", type=float_at_least(0), default=defaults.grad_clip,
                    help="max global gradient norm; 0 disables clipping")
     p.add_argument("--seed", type=int, default=defaults.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps", "cuda"])
-    p.add_argument("--out", default=out, help="directory for the checkpoint")
-    p.add_argument("--ckpt_every", type=int, default=100,
+    p.add_argument("--out", default=out, help="directory for the checkpoints")
+    p.add_argument("--ckpt_every", type=int_at_least(0), default=100,
                    help="save a checkpoint every N steps (and always at the end); 0 = end only")
-    p.add_argument("--resume", action="store_true", help="continue from the checkpoint in OUT")
-    p.add_argument("--log_every", type=int, default=10)
+    p.add_argument("--keep_last", type=int_at_least(1), default=3,
+                   help="checkpoints of this run to keep (earlier runs' are never deleted)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest good checkpoint in OUT")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in OUT (deletes only its checkpoints) and start again")
+    p.add_argument("--log_every", type=int_at_least(1), default=10)
     return p
 
 
+def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """The checks that involve more than one flag."""
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --out and --overwrite replaces it: pass one")
+    if args.min_lr is not None and args.min_lr > args.lr:
+        p.error(f"argument --min_lr: must be at most --lr ({args.lr}), got {args.min_lr}")
+    return args
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    return build_parser("Train a GPT in one process, or with DDP under torchrun.",
-                        "runs/ddp_trainer").parse_args(argv)
+    p = build_parser("Train a GPT in one process, or with DDP under torchrun.",
+                     "runs/ddp_trainer")
+    return check_args(p, p.parse_args(argv))
+
+
+def resume_or_start(trainer, manager: CheckpointManager, args, load) -> None:
+    """--resume: load the newest good checkpoint with ``load(path)``, which refuses one of
+    another model, naming the fields (a damaged newer one is reported in one line and skipped).
+    Otherwise refuse to start over an earlier run's checkpoints, unless --overwrite."""
+    if args.resume:
+        _, path, state = manager.load_newest_good(load)
+        then = state["train_config"]
+        changed = {k: (now, then.get(k)) for k, now in asdict(trainer.train_config).items()
+                   if then.get(k) != now}
+        if changed:
+            trainer.log(f"warning: settings differ from the checkpoint's (now, then): "
+                        f"{changed}; the run will not match an unbroken one")
+        trainer.log(f"resumed from {path} at step {trainer.step}")
+        return
+    if not manager.checkpoints():
+        return
+    if not args.overwrite:
+        raise RunExistsError(f"{manager.directory} already holds a run ({manager.describe()}): "
+                             "pass --resume to continue it, a new --out to keep it, or "
+                             "--overwrite to replace it")
+    if trainer.is_main:
+        manager.remove_all()
+    trainer.log(f"--overwrite: removed the earlier run's checkpoints from {manager.directory}")
 
 
 def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -399,19 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    ckpt_path = Path(args.out) / "ckpt.pt"
+    # Step-numbered files, a `latest` pointer, the newest keep_last of this run's (checkpoint.py).
+    manager = CheckpointManager(args.out, keep_last=args.keep_last)
     try:
         train_config = train_config_from_args(args)
         trainer = DistributedTrainer(get_config(args.model_size), train_config, device)
-        if args.resume:
-            state = trainer.load_checkpoint(ckpt_path)
-            then = state["train_config"]
-            changed = {k: (now, then.get(k)) for k, now in asdict(train_config).items()
-                       if then.get(k) != now}
-            if changed:
-                trainer.log(f"warning: settings differ from the checkpoint's (now, then): "
-                            f"{changed}; the run will not match an unbroken one")
-            trainer.log(f"resumed from {ckpt_path} at step {trainer.step}")
+        resume_or_start(trainer, manager, args, load=trainer.load_checkpoint)
     except (ConfigError, DataError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -422,7 +466,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"effective batch = micro-batch {tc.batch_size} x accumulation "
                 f"{tc.grad_accum_steps} x processes {trainer.world_size} x seq_len "
                 f"{trainer.seq_len} = {trainer.tokens_per_step:,} tokens per optimizer step")
-    return train(trainer, args, save=lambda: trainer.save_checkpoint_once(ckpt_path))
+    return train(trainer, args, save=lambda: save_step(trainer, manager))
 
 
 def train(trainer, args: argparse.Namespace, save) -> int:

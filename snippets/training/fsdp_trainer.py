@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,11 +46,16 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from snippets.data.corpus import DataError
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
-from snippets.training.checkpoint import CheckpointError, capture_rng_state, restore_rng_state
+from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
+                                          CorruptCheckpointError, capture_rng_state,
+                                          config_diff, restore_rng_state)
+from snippets.training.checkpoint import fsync_dir
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
-from snippets.training.ddp_trainer import (DistributedTrainer, TrainConfig, build_parser, train,
+from snippets.training.ddp_trainer import (DistributedTrainer, TrainConfig, build_parser,
+                                          check_args, resume_or_start, save_step, train,
                                           train_config_from_args)
+from snippets.training.flags import int_at_least
 
 # --8<-- [start:fsdp-config]
 SHARDING_STRATEGIES = {
@@ -250,9 +256,9 @@ class FSDPTrainer(DistributedTrainer):
         Every rank reads the file (one filesystem); the sharding may differ from the run that
         wrote it, and so may the number of processes."""
         state = load_verified(path, map_location="cpu")
-        if state["model_config"] != self.config.to_dict():
-            raise CheckpointError(f"{path} holds a different model ({state['model_config']}); "
-                                  "use the same --model_size it was trained with")
+        if diff := config_diff(state["model_config"], self.config.to_dict()):
+            raise CheckpointError(f"{path} holds a different model (checkpoint -> now: {diff}); "
+                                  "use the --model_size it was trained with")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
@@ -277,39 +283,51 @@ class FSDPTrainer(DistributedTrainer):
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state,
                  "trainer": self._trainer_state()}
-        # DCP writes files one by one: write into a fresh directory, then swap it in, so a
-        # crash mid-save leaves the previous checkpoint whole.
-        tmp = directory.with_name(f".{directory.name}.{self._shared_token()}.tmp")
+        # DCP writes files one by one: write into a fresh directory, then rename it to its
+        # step-numbered name, so a crash mid-save leaves no partial checkpoint under that name
+        # and the previous one whole. (The directory's files are fsynced by DCP's writer.)
+        token = self._shared_token()
+        tmp = directory.with_name(f".{directory.name}.{token}.tmp")
         dcp.save(state, checkpoint_id=tmp)
         dist.barrier()  # every rank's files are written before rank 0 renames the directory
         if self.is_main:
-            old = directory.with_name(f".{directory.name}.old")
-            if directory.exists():
-                directory.rename(old)
-            tmp.rename(directory)
-            shutil.rmtree(old, ignore_errors=True)
+            if directory.exists():  # a step redone after resuming from an older checkpoint
+                directory.rename(directory.with_name(f".{directory.name}.{token}.old.tmp"))
+            os.replace(tmp, directory)
+            fsync_dir(directory.parent)
+            for old in directory.parent.glob(f".{directory.name}.*.old.tmp"):
+                shutil.rmtree(old)
         dist.barrier()
         return directory
 
-    def load_sharded_checkpoint(self, directory: str | Path) -> None:
-        """Read back this rank's slices (DCP reshards if the layout or world size changed)."""
+    def load_sharded_checkpoint(self, directory: str | Path) -> dict:
+        """Read back this rank's slices (DCP reshards if the layout or world size changed).
+        Returns the trainer's state (step, sampler, rng, configs)."""
         model_state, optimizer_state = get_state_dict(self.model, self.optimizer)
         state = {"model": model_state, "optimizer": optimizer_state,
                  "trainer": self._trainer_state()}
-        dcp.load(state, checkpoint_id=Path(directory))  # fills the tensors in place
+        try:
+            dcp.load(state, checkpoint_id=Path(directory))  # fills the tensors in place
+        except (Exception, CheckpointException) as err:  # DCP raises it on every rank
+            first_line = (str(err).splitlines() or [""])[0]
+            raise CorruptCheckpointError(f"{directory} cannot be read by "
+                                         f"torch.distributed.checkpoint: {type(err).__name__}: "
+                                         f"{first_line}") from None
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
         trainer = state["trainer"]
-        if trainer["model_config"] != self.config.to_dict():
-            raise CheckpointError(f"{directory} holds a different model "
-                                  f"({trainer['model_config']})")
+        if diff := config_diff(trainer["model_config"], self.config.to_dict()):
+            raise CheckpointError(f"{directory} holds a different model (checkpoint -> now: "
+                                  f"{diff}); use the --model_size it was trained with")
         self.sampler.load_state_dict(trainer["sampler"])
         restore_rng_state(trainer["rng"])
         self.step = trainer["step"]
+        return trainer
 
     def _trainer_state(self) -> dict:
         return {"step": self.step, "sampler": self.sampler.state_dict(),
-                "rng": capture_rng_state(), "model_config": self.config.to_dict()}
+                "rng": capture_rng_state(), "model_config": self.config.to_dict(),
+                "train_config": asdict(self.train_config)}
 
     def _shared_token(self) -> str:
         """A random name chosen by rank 0 and known to every rank."""
@@ -325,7 +343,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                      "runs/fsdp_trainer")
     p.add_argument("--sharding_strategy", default=fsdp.sharding_strategy,
                    choices=list(SHARDING_STRATEGIES))
-    p.add_argument("--shard_group_size", type=int, default=None,
+    p.add_argument("--shard_group_size", type=int_at_least(1), default=None,
                    help="HYBRID_SHARD: ranks per shard group (default: processes per node)")
     p.add_argument("--mixed_precision", default=fsdp.mixed_precision, choices=MIXED_PRECISION)
     p.add_argument("--cpu_offload", action="store_true",
@@ -333,7 +351,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", default="full", choices=["full", "sharded"],
                    help="full: one file gathered on rank 0; sharded: DCP, one file per rank")
     p.set_defaults(ckpt_every=0)
-    return p.parse_args(argv)
+    return check_args(p, p.parse_args(argv))
 
 
 # --8<-- [start:main]
@@ -346,21 +364,22 @@ def main(argv: list[str] | None = None) -> int:
         fsdp_config = FSDPConfig(args.sharding_strategy, args.mixed_precision, args.cpu_offload,
                                  args.shard_group_size)
         trainer = FSDPTrainer(get_config(args.model_size), train_config, fsdp_config, device)
-        if args.resume:
-            if args.checkpoint == "full":
-                trainer.load_checkpoint(out / "ckpt.pt")
-            else:
-                trainer.load_sharded_checkpoint(out / "ckpt_dcp")
-            trainer.log(f"resumed from {out} at step {trainer.step}")
+        # Step-numbered files or, for DCP, directories, with a `latest` pointer (checkpoint.py).
+        sharded = args.checkpoint == "sharded"
+        manager = CheckpointManager(out, keep_last=args.keep_last,
+                                    suffix=".dcp" if sharded else ".pt")
+        load = trainer.load_sharded_checkpoint if sharded else trainer.load_checkpoint
+        resume_or_start(trainer, manager, args, load)
     except (ConfigError, DataError, CheckpointError, DeviceError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 
     def save():
-        if args.checkpoint == "full":
-            trainer.save_checkpoint_once(out / "ckpt.pt")
-        else:
-            trainer.save_sharded_checkpoint(out / "ckpt_dcp")
+        if not sharded:
+            return save_step(trainer, manager)
+        path = trainer.save_sharded_checkpoint(manager.path_for(trainer.step))
+        if trainer.is_main:
+            manager.commit(path)
 
     weight = trainer.model.embed_tokens.weight  # a DTensor now: this rank's piece + layout
     trainer.log(f"{fsdp_config.sharding_strategy} on mesh {tuple(weight.device_mesh.shape)} "

@@ -23,6 +23,8 @@ import time
 from pathlib import Path
 
 from snippets.models.gpt import GPT, ConfigError, get_config
+from snippets.training.checkpoint import CheckpointError
+from snippets.training.flags import Parser, int_at_least
 from snippets.training.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
 
 LAB1_CONFIGS = DEFAULT_CONFIG.parent / "lab1"
@@ -51,6 +53,8 @@ def run_variant(config_path: Path, out: Path, steps: int, batch_size: int,
             "--eval-every", str(max(1, steps // 4)), "--eval-batches", "10",
             "--ckpt-every", "0", "--keep-last", "1",
             "--device", device, "--threads", "1", "--sample-tokens", "60"]
+    if (out / "train.log").exists():  # this sweep's own earlier run: replace it; any other
+        argv.append("--overwrite")     # run in `out` makes the trainer refuse
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "w") as log, contextlib.redirect_stdout(log):
         records = train(parse_args(argv))
@@ -149,15 +153,15 @@ def sweep(configs: list[Path], out: Path, steps: int, batch_size: int, context_l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+    p = Parser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("configs", nargs="*", type=Path,
                    help="config JSON files; the first is the baseline "
                         "(default: snippets/models/config.json and four variants in "
                         "snippets/models/lab1/)")
-    p.add_argument("--steps", type=int, default=120, help="optimizer steps per config")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--context-length", type=int, default=64)
+    p.add_argument("--steps", type=int_at_least(1), default=120, help="optimizer steps per config")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
+    p.add_argument("--context-length", type=int_at_least(1), default=64)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
                    help="the same device for every config, so tokens/s compare")
@@ -168,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = sweep(configs, args.out, args.steps, args.batch_size, args.context_length,
                      args.seed, args.device)
-    except ConfigError as err:
+    except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"\n{args.steps} steps of {args.batch_size} x {args.context_length} tokens per "

@@ -39,11 +39,14 @@ from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_tok
 from snippets.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
+    RunExistsError,
     capture_rng_state,
+    config_diff,
     restore_rng_state,
     seed_everything,
     unwrap_model,
 )
+from snippets.training.flags import Parser, float_at_least, fraction, int_at_least, positive_float
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "models" / "config.json"
 
@@ -62,7 +65,7 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = Parser(
         description="Train the tiny GPT on one device (CPU, CUDA or Apple MPS).",
         formatter_class=_HelpFormatter)
     p.add_argument("--config", default=str(DEFAULT_CONFIG),
@@ -70,60 +73,65 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default: snippets/models/config.json)")
     p.add_argument("--data", default=None,
                    help="UTF-8 text file to train on (default: the built-in generated corpus)")
-    p.add_argument("--epochs", type=int, default=1, help="number of epochs (see --steps-per-epoch)")
-    p.add_argument("--steps-per-epoch", type=int, default=None,
+    p.add_argument("--epochs", type=int_at_least(1), default=1,
+                   help="number of epochs (see --steps-per-epoch)")
+    p.add_argument("--steps-per-epoch", type=int_at_least(1), default=None,
                    help="optimizer steps per epoch. Batches are random windows, so an 'epoch' "
                         "is a count, not a shuffle: by default as many steps as it takes to "
                         "draw as many tokens as the training split holds, i.e. "
                         "train_tokens // (batch_size * context_length); every token is then "
                         "seen about once per epoch on average")
-    p.add_argument("--batch-size", type=int, default=16, help="sequences per step")
-    p.add_argument("--context-length", type=int, default=None,
+    p.add_argument("--batch-size", type=int_at_least(1), default=16, help="sequences per step")
+    p.add_argument("--context-length", type=int_at_least(1), default=None,
                    help="tokens per sequence (default: the config's max_position_embeddings)")
-    p.add_argument("--lr", type=float, default=5e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup-steps", type=int, default=None,
+    p.add_argument("--lr", type=positive_float, default=5e-3, help="peak learning rate (AdamW)")
+    p.add_argument("--warmup-steps", type=int_at_least(0), default=None,
                    help="linear warmup steps before the cosine decay (default: 10%% of all steps)")
-    p.add_argument("--weight-decay", type=float, default=0.1,
+    p.add_argument("--weight-decay", type=float_at_least(0), default=0.1,
                    help="AdamW weight decay on weight matrices (not on norm gains)")
-    p.add_argument("--grad-clip", type=float, default=1.0, help="max global gradient norm")
+    p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int, default=1337,
                    help="seeds model init, the data sampler and every RNG")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="auto picks cuda, then mps, then cpu")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="CPU threads for PyTorch (default: 1; for the tiny model one thread "
                         "is nearly as fast as several, and does not slow to a crawl when "
                         "other jobs share the cores); 0 = PyTorch's own choice (one per "
                         "core, or $OMP_NUM_THREADS)")
     p.add_argument("--out", default="runs/tiny",
                    help="run directory: metrics.jsonl, loss.png, checkpoints/")
-    p.add_argument("--ckpt-every", type=int, default=100,
+    p.add_argument("--ckpt-every", type=int_at_least(0), default=100,
                    help="save a checkpoint every N steps (and at the end); 0 = only at the end")
-    p.add_argument("--keep-last", type=int, default=3, help="checkpoints to keep")
+    p.add_argument("--keep-last", type=int_at_least(1), default=3,
+                   help="checkpoints of this run to keep (earlier runs' are never deleted)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in --out")
-    p.add_argument("--eval-every", type=int, default=50,
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the run in --out: delete its checkpoints, metrics and plot "
+                        "(only files this script writes) and start again")
+    p.add_argument("--eval-every", type=int_at_least(0), default=50,
                    help="validate every N steps (and at the end); 0 = only at the end")
-    p.add_argument("--eval-batches", type=int, default=20,
+    p.add_argument("--eval-batches", type=int_at_least(1), default=20,
                    help="max validation batches per evaluation")
-    p.add_argument("--val-fraction", type=float, default=0.1,
+    p.add_argument("--val-fraction", type=fraction, default=0.1,
                    help="the last fraction of the text held out for validation")
-    p.add_argument("--max-steps", type=int, default=None,
+    p.add_argument("--max-steps", type=int_at_least(1), default=None,
                    help="stop after this global step, as if the job were killed: no final "
                         "checkpoint or evaluation, so --resume restarts from the last "
                         "--ckpt-every checkpoint")
-    p.add_argument("--log-every", type=int, default=20, help="print a log line every N steps")
-    p.add_argument("--sample-tokens", type=int, default=120,
+    p.add_argument("--log-every", type=int_at_least(1), default=20,
+                   help="print a log line every N steps")
+    p.add_argument("--sample-tokens", type=int_at_least(0), default=120,
                    help="length of the greedy text sample printed at the end")
     p.add_argument("--tensorboard", action="store_true",
                    help="also log to TensorBoard in OUT/tensorboard (needs: pip install tensorboard)")
     p.add_argument("--wandb", action="store_true",
                    help="also log to Weights & Biases, offline (needs: pip install wandb)")
-    return p.parse_args(argv)
-
-
-
-
+    args = p.parse_args(argv)
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run in --out and --overwrite replaces it: pass one")
+    return args
 
 
 # --8<-- [start:lr-schedule]
@@ -248,6 +256,28 @@ def plot_losses(metrics_path: Path, png_path: Path, vocab_size: int) -> None:
     fig.savefig(png_path, dpi=100)
 
 
+RUN_FILES = ("metrics.jsonl", "run.json", "loss.png")  # what a run writes beside checkpoints/
+
+
+def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool) -> None:
+    """Refuse to start a run where an earlier one left its files, unless --overwrite; even
+    then delete only the kinds of file this script writes."""
+    found = [manager.describe()] if manager.checkpoints() else []
+    found += [name for name in RUN_FILES if (out / name).exists()]
+    if not found:
+        return
+    if not overwrite:
+        raise RunExistsError(f"{out} already holds a run ({', '.join(found)}): pass --resume "
+                             "to continue it, a new --out to keep it, or --overwrite to "
+                             "replace it")
+    manager.remove_all()
+    for name in RUN_FILES:
+        (out / name).unlink(missing_ok=True)
+    for events in (out / "tensorboard").glob("events.out.tfevents.*"):
+        events.unlink()
+    print(f"--overwrite: removed the earlier run in {out} ({', '.join(found)})")
+
+
 def train(args: argparse.Namespace) -> list[dict]:
     """Run (or resume) training; returns the metric records written by this call."""
     threads = torch.get_num_threads()
@@ -283,6 +313,7 @@ def _train(args: argparse.Namespace) -> list[dict]:
     total_steps = args.epochs * steps_per_epoch
     warmup = args.warmup_steps if args.warmup_steps is not None else max(1, total_steps // 10)
 
+    # --8<-- [start:optimizer]
     model = GPT(config).to(device)
     decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices; not norm gains
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -290,6 +321,7 @@ def _train(args: argparse.Namespace) -> list[dict]:
         [{"params": decay, "weight_decay": args.weight_decay},
          {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps))
+    # --8<-- [end:optimizer]
     sampler = RandomWindowSampler(train_tokens, args.batch_size, context_length, seed=args.seed)
     manager = CheckpointManager(out / "checkpoints", keep_last=args.keep_last)
     hparams = {"batch_size": args.batch_size, "context_length": context_length,
@@ -300,12 +332,9 @@ def _train(args: argparse.Namespace) -> list[dict]:
     step = 0
     if args.resume:
         ckpt = manager.load_latest(map_location="cpu")
-        if ckpt.state["config"] != config.to_dict():
+        if diff := config_diff(ckpt.state["config"], config.to_dict()):
             # A changed head count loads without a shape error and silently computes
             # something else, so every difference is an error, named field by field.
-            diff = ", ".join(f"{key} {ckpt.state['config'].get(key)!r} -> {value!r}"
-                             for key, value in config.to_dict().items()
-                             if ckpt.state["config"].get(key) != value)
             raise CheckpointError(f"{ckpt.path} was trained with a different model config "
                                   f"(checkpoint -> --config: {diff}); pass the --config it "
                                   "was trained with")
@@ -321,9 +350,8 @@ def _train(args: argparse.Namespace) -> list[dict]:
         restore_rng_state(ckpt.state["rng"])
         step = ckpt.state["step"]
         print(f"resumed from {ckpt.path} at step {step}")
-    elif removed := manager.remove_all():  # a fresh run must not mix with an old one
-        print(f"starting fresh: removed {removed} old checkpoint(s) from {manager.directory} "
-              "(pass --resume to continue a run instead)")
+    else:
+        start_fresh(out, manager, args.overwrite)  # never on top of an earlier run's files
     # --8<-- [end:resume]
 
     out.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,78 @@
+"""Every numeric flag of the training scripts is range-checked when the command line is parsed:
+one line naming the flag and what it accepts, exit status 2, no traceback."""
+
+import pytest
+
+from snippets.training import (ddp_simulation_train, ddp_trainer, fsdp_trainer, lab1_sweep,
+                               train_tiny_transformer)
+
+CASES = [
+    # (script, argv, the one line it must print after "<prog>: error: ")
+    (train_tiny_transformer, ["--max-steps", "-1"],
+     "argument --max-steps: must be a whole number >= 1, got -1"),
+    (train_tiny_transformer, ["--steps-per-epoch", "0"],
+     "argument --steps-per-epoch: must be a whole number >= 1, got 0"),
+    (train_tiny_transformer, ["--epochs", "0"],
+     "argument --epochs: must be a whole number >= 1, got 0"),
+    (train_tiny_transformer, ["--keep-last", "0"],
+     "argument --keep-last: must be a whole number >= 1, got 0"),
+    (train_tiny_transformer, ["--batch-size", "two"],
+     "argument --batch-size: must be a whole number >= 1, got two"),
+    (train_tiny_transformer, ["--lr", "0"], "argument --lr: must be a number > 0, got 0"),
+    (train_tiny_transformer, ["--val-fraction", "1"],
+     "argument --val-fraction: must be a number between 0 and 1 (exclusive), got 1"),
+    (train_tiny_transformer, ["--resume", "--overwrite"],
+     "--resume continues the run in --out and --overwrite replaces it: pass one"),
+    (ddp_trainer, ["--max_steps", "0"],
+     "argument --max_steps: must be a whole number >= 1, got 0"),
+    (ddp_trainer, ["--grad_accum_steps", "0"],
+     "argument --grad_accum_steps: must be a whole number >= 1, got 0"),
+    (ddp_trainer, ["--keep_last", "0"],
+     "argument --keep_last: must be a whole number >= 1, got 0"),
+    (ddp_trainer, ["--lr", "1e-3", "--min_lr", "1e-2"],
+     "argument --min_lr: must be at most --lr (0.001), got 0.01"),
+    (fsdp_trainer, ["--shard_group_size", "0"],
+     "argument --shard_group_size: must be a whole number >= 1, got 0"),
+    (ddp_simulation_train, ["--steps", "0"],
+     "argument --steps: must be a whole number >= 1, got 0"),
+    (ddp_simulation_train, ["--ckpt-every", "0"],
+     "argument --ckpt-every: must be a whole number >= 1, got 0"),
+    (ddp_simulation_train, ["--fail-rank", "1"],
+     "--fail-rank and --fail-step go together: pass both (e.g. --fail-rank 1 --fail-step 3) "
+     "or neither"),
+    (ddp_simulation_train, ["--fail-step", "3"],
+     "--fail-rank and --fail-step go together: pass both (e.g. --fail-rank 1 --fail-step 3) "
+     "or neither"),
+    (ddp_simulation_train, ["--fail-rank", "2", "--fail-step", "3"],  # WORLD_SIZE=2 below
+     "argument --fail-rank: must be a rank of this job, 0 to 1 (WORLD_SIZE=2), got 2"),
+    (ddp_simulation_train, ["--steps", "6", "--fail-rank", "1", "--fail-step", "6"],
+     "argument --fail-step: must be below --steps 6 or the failure never happens, got 6"),
+]
+
+
+@pytest.mark.parametrize("script, argv, message", CASES,
+                         ids=[f"{s.__name__.split('.')[-1]} {' '.join(a)}" for s, a, _ in CASES])
+def test_bad_flag_is_one_line_naming_it(script, argv, message, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun --nproc_per_node=2 sets it
+    with pytest.raises(SystemExit) as exit_:
+        script.parse_args(argv)
+    assert exit_.value.code == 2  # SystemExit from argparse: no traceback on the terminal
+    assert capsys.readouterr().err.split(": error: ", 1)[1] == message + "\n"
+
+
+def test_sweep_checks_its_flags(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        lab1_sweep.main(["--steps", "0"])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: argument --steps: must be a whole number >= 1, got 0\n")
+
+
+def test_good_flags_parse(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    args = ddp_simulation_train.parse_args(["--steps", "6", "--fail-rank", "2",
+                                            "--fail-step", "3"])  # Lab 2's failure
+    assert (args.fail_rank, args.fail_step) == (2, 3)
+    assert train_tiny_transformer.parse_args(["--max-steps", "1", "--threads", "0"]).threads == 0
+    assert ddp_trainer.parse_args(["--grad_clip", "0"]).grad_clip == 0  # 0 = no clipping
+
