@@ -102,7 +102,7 @@ def test_launcher_sets_each_rank_and_names_the_rank_that_failed(tmp_path):
         log = (tmp_path / "logs" / f"rank_{rank}" / "train.log").read_text()
         assert f"RANK={rank} LOCAL_RANK={local_rank} WORLD_SIZE=4" in log
     # The crash is in the output, tagged with who printed it, and the summary names it.
-    assert "[node 1 rank 3] [rank3]: RuntimeError: simulated failure on rank 3" in result.stdout
+    assert "[node 1 rank 3] error: rank 3: RuntimeError: simulated failure on rank 3" in result.stdout
     assert re.search(r"launcher:\s+1\s+1\s+3\s+FAILED, exit 1", result.stdout)
     assert "job FAILED: node 1, rank 3 (local rank 1) failed first with exit 1" in result.stdout
 # --8<-- [end:failing-rank]

@@ -47,9 +47,11 @@ def test_without_gradient_sync_replicas_drift_apart(tmp_path):
 def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
     result = torchrun(tmp_path, "--steps", "6", "--fail-rank", "2", "--fail-step", "3")
     assert result.returncode != 0
-    assert "simulated failure on rank 2 at step 3" in result.stderr
+    # run_main: one line naming the rank, and the traceback recorded for torchrun's summary
+    assert "error: rank 2: RuntimeError: simulated failure on rank 2 at step 3" in result.stderr
     root_cause = result.stderr.split("Root Cause")[1]
     assert re.search(r"rank\s*: 2 \(local_rank: 2\)", root_cause)
+    assert "error_file: <N/A>" not in root_cause and "simulated failure on rank 2" in root_cause
 
 
 def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path):

@@ -39,4 +39,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from snippets.dist import run_main
+
+    run_main(main)

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Dataset
 
 from snippets.data.dataset import load_tokens
-from snippets.dist import init_from_env
+from snippets.dist import init_from_env, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import load_checkpoint, save_checkpoint, unwrap_model
 from snippets.training.flags import Parser, int_at_least, positive_float
@@ -229,4 +229,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.dist import init_from_env
+from snippets.dist import init_from_env, run_main
 from snippets.machine import pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
@@ -507,4 +507,4 @@ def train(trainer, args: argparse.Namespace, save) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

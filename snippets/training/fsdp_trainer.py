@@ -395,4 +395,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from snippets.dist import run_main
+
+    run_main(main)
