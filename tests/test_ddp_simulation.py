@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
 
 SCRIPT = "snippets/training/ddp_simulation_train.py"
@@ -89,3 +91,18 @@ def test_steps_per_epoch_and_tokens_per_step_follow_the_world_size(tmp_path):
     # 4616 windows / 2 ranks = 2308 per rank; 2308 // 8 = 288 steps; 8 x 2 x 64 tokens per step.
     assert "shard: 2308 of 4616 examples" in log
     assert "288 steps per epoch; a step trains on 8 sequences x 2 ranks x 64 tokens = 1,024 tokens" in log
+
+
+def test_a_fresh_run_refuses_an_earlier_checkpoint_and_keeps_it(tmp_path, monkeypatch):
+    """Without --resume or --overwrite, a run that finds a checkpoint at --ckpt stops before the
+    process group starts, naming the three ways on, and leaves the file as it was."""
+    from snippets.training import checkpoint, ddp_simulation_train
+
+    ckpt = tmp_path / "ckpt.pt"
+    ckpt.write_bytes(b"an earlier run")
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    with pytest.raises(checkpoint.RunExistsError, match="--resume.*--ckpt.*--overwrite"):
+        ddp_simulation_train.main(["--ckpt", str(ckpt)])
+    assert ckpt.read_bytes() == b"an earlier run"
+    with pytest.raises(SystemExit):  # both at once: argparse's one line
+        ddp_simulation_train.main(["--ckpt", str(ckpt), "--resume", "--overwrite"])

@@ -30,7 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Dataset
 from snippets.data.dataset import load_tokens
 from snippets.dist import init_from_env, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import load_checkpoint, save_checkpoint, unwrap_model
+from snippets.training.checkpoint import (RunExistsError, load_checkpoint, save_checkpoint,
+                                          unwrap_model)
 from snippets.training.flags import Parser, int_at_least, positive_float
 
 
@@ -59,6 +60,10 @@ def parse_args(argv=None):
     p.add_argument("--log-dir", default="logs", help="each rank writes LOG_DIR/rank_N/train.log")
     p.add_argument("--ckpt", default="runs/ddp_simulation/ckpt.pt")
     p.add_argument("--ckpt-every", type=int_at_least(1), default=5)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --ckpt if it exists (a torchrun restart always does)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh, deleting the checkpoint at --ckpt")
     p.add_argument("--no-sync", action="store_true",
                    help="skip gradient synchronisation: replicas drift apart")
     p.add_argument("--fail-rank", type=int_at_least(0), default=None,
@@ -70,6 +75,8 @@ def parse_args(argv=None):
     p.add_argument("--grad-norm", action="store_true",
                    help="also log each rank's gradient norm before and after synchronisation")
     args = p.parse_args(argv)
+    if args.resume and args.overwrite:
+        p.error("--resume continues the run at --ckpt and --overwrite deletes it: pass one")
     # A failure that cannot happen would let the run pass silently: refuse it instead.
     world = int(os.environ.get("WORLD_SIZE", 1))  # set by torchrun
     if (args.fail_rank is None) != (args.fail_step is None):
@@ -146,9 +153,12 @@ def grad_norm(model: torch.nn.Module) -> float:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.path.exists(args.ckpt) and restart == 0 and not (args.resume or args.overwrite):
+        raise RunExistsError(f"{args.ckpt} holds an earlier run's checkpoint: pass --resume to "
+                             "continue it, another --ckpt to keep it, or --overwrite to replace it")
     env = init_from_env(timeout_s=args.timeout)
     rank, world = env["rank"], env["world_size"]
-    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     log = rank_logger(args.log_dir, rank)
     log.info(f"started: RANK={rank} LOCAL_RANK={env['local_rank']} WORLD_SIZE={world} "
              f"MASTER={env['master_addr']}:{env['master_port']} restart={restart}")
@@ -176,14 +186,14 @@ def main(argv=None) -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 
     step = 0
-    if os.path.exists(args.ckpt) and restart > 0:
+    if os.path.exists(args.ckpt) and (restart > 0 or args.resume):
         state = load_checkpoint(args.ckpt)
         unwrap_model(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
         log.info(f"resumed from {args.ckpt} at step {step}")
     elif rank == 0 and os.path.exists(args.ckpt):
-        os.remove(args.ckpt)  # a fresh run never resumes an old run's checkpoint
+        os.remove(args.ckpt)  # --overwrite (checked before the process group started)
 
     # --8<-- [start:loop]
     steps_per_epoch = len(loader)
