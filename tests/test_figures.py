@@ -1,0 +1,83 @@
+"""The site's figures are drawn by scripts in snippets/figures/ from the course's own code.
+
+Each test renders a figure again and compares it, byte for byte, with the SVG committed in
+docs/assets/figures/: a figure cannot drift from its generator, nor the generator from the code it
+draws. After changing a generator (or the code it draws from), regenerate with
+`python -m snippets.figures.<module>` and commit both.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+import snippets.figures as figures_pkg
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURES = ROOT / "docs" / "assets" / "figures"
+DOCS = ROOT / "docs"
+GENERATORS = sorted(m.name for m in pkgutil.iter_modules(figures_pkg.__path__) if m.name != "svg")
+SVG_NS = "{http://www.w3.org/2000/svg}"
+
+
+def test_every_generator_has_a_committed_figure():
+    # Figures drawn from a measured run (a `make bench` record) are written by their benchmark
+    # and checked by its own test; the ones here are drawn from code alone.
+    names = {importlib.import_module(f"snippets.figures.{g}").NAME for g in GENERATORS}
+    committed = {p.stem for p in FIGURES.glob("*.svg")}
+    assert names <= committed, f"generators without a committed SVG: {sorted(names - committed)}"
+
+
+@pytest.mark.parametrize("generator", GENERATORS)
+def test_figure_matches_its_generator(generator):
+    module = importlib.import_module(f"snippets.figures.{generator}")
+    path = FIGURES / f"{module.NAME}.svg"
+    assert path.is_file(), f"run `python -m snippets.figures.{generator}` and commit {path}"
+    assert module.render() == path.read_text(encoding="utf-8"), (
+        f"{path.relative_to(ROOT)} is not what snippets/figures/{generator}.py draws now: "
+        f"run `python -m snippets.figures.{generator}` and commit the new SVG")
+
+
+@pytest.mark.parametrize("generator", GENERATORS)
+def test_figure_has_a_text_alternative_and_is_used(generator):
+    module = importlib.import_module(f"snippets.figures.{generator}")
+    path = FIGURES / f"{module.NAME}.svg"
+    root = ET.fromstring(path.read_text(encoding="utf-8"))  # well-formed XML
+    assert root.find(f"{SVG_NS}title").text and root.find(f"{SVG_NS}desc").text
+    users = [p for p in DOCS.rglob("*.md") if f"assets/figures/{module.NAME}.svg" in p.read_text()]
+    assert users, f"no page shows {path.name}"
+    for page in users:  # the page's image carries alt text, not an empty ![]
+        assert f"![](../../assets/figures/{module.NAME}.svg)" not in page.read_text()
+
+
+def test_pipeline_figure_times_agree_with_the_bubble_formula():
+    from snippets.figures.pipeline_schedules import (DURATION, MICRO_BATCHES, STAGES,
+                                                     peak_in_flight, simulate)
+    from snippets.scratch.pipeline import SCHEDULES, theoretical_bubble
+
+    unit = DURATION["F"] + DURATION["B"]
+    for name in ("gpipe", "1f1b"):
+        timeline = simulate(name)
+        end = max(e for acts in timeline.values() for *_, e in acts)
+        assert end == (MICRO_BATCHES + STAGES - 1) * unit  # T = (m + p - 1)(t_f + t_b)
+        for s, acts in timeline.items():
+            # Each stage runs exactly the course's schedule, in its order.
+            assert [(k, i) for k, i, *_ in acts] == SCHEDULES[name](MICRO_BATCHES, s, STAGES)
+            busy = sum(e - b for *_, b, e in acts)
+            assert 1 - busy / end == pytest.approx(theoretical_bubble(STAGES, MICRO_BATCHES))
+            expected_peak = MICRO_BATCHES if name == "gpipe" else STAGES - s
+            assert peak_in_flight(acts) == expected_peak
+
+
+def test_ring_figure_replays_what_the_ring_computed():
+    from snippets.figures.ring_allreduce import replay
+
+    sent, history = replay(3)
+    full = 0b111
+    assert all(v == full for rank in history[-1] for v in rank)  # every rank holds every sum
+    # After reduce-scatter each rank owns exactly one finished chunk: (rank + 1) % N.
+    assert [[k for k, v in enumerate(rank) if v == full] for rank in history[2]] == [[1], [2], [0]]
