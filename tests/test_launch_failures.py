@@ -74,11 +74,10 @@ def test_a_busy_port_fails_node_0_at_once_and_node_1_within_its_timeout(tmp_path
         job = ["--nnodes", "2", "--nproc-per-node", "1", "--master-port", str(port), TRAIN,
                "--timeout", "5", "--ckpt", ckpt]
 
-        start = time.monotonic()
         node0 = subprocess.run([*LAUNCHER, "--node-rank", "0", *job], cwd=ROOT, env=ENV,
                                capture_output=True, text=True, timeout=60)
-        assert time.monotonic() - start < 5  # before any worker has started
         assert node0.returncode == 2
+        assert node0.stdout == ""  # before any worker started (a worker's lines are prefixed)
         assert node0.stderr == (
             f"launcher: error: cannot host the rendezvous at 127.0.0.1:{port} (Address "
             "already in use): another program is using the port. Pick a free one, e.g. "
@@ -93,8 +92,11 @@ def test_a_busy_port_fails_node_0_at_once_and_node_1_within_its_timeout(tmp_path
         took = time.monotonic() - start
     output = log.read_text()
     assert node1.returncode == 1, output
-    # 5 s of waiting, plus starting Python and importing torch (about 3 s on 2 busy cores).
-    assert took < 5 + 10, f"{took:.0f} s\n{output}"
+    # The line below is printed only by the course's watchdog, at --timeout: without it,
+    # TCPStore's own loop fails later (2 x timeout plus a back-off) with another message. So the
+    # wall clock is only a loose bound: 5 s of waiting plus starting Python and torch, which a
+    # loaded 2-core machine can stretch to tens of seconds.
+    assert took < 5 + 40, f"{took:.0f} s\n{output}"
     assert (f"[node 1 rank 1] error: rank 1: no store answered at 127.0.0.1:{port} within "
             "5 s.") in output
     assert f"Their output in {log} says why." in output  # where its logs are
@@ -112,7 +114,7 @@ def test_a_node_whose_peer_never_comes_fails_within_its_timeout(tmp_path):
                            cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=60)
     took = time.monotonic() - start
     assert node1.returncode == 1
-    assert took < 5 + 10, f"{took:.0f} s\n{node1.stdout}"  # TCPStore alone: 2 x 5 s + back-off
+    assert took < 5 + 40, f"{took:.0f} s\n{node1.stdout}"  # loose: the line below is the proof
     assert f"error: rank 1: no store answered at 127.0.0.1:{port} within 5 s." in node1.stdout
     assert "socket.cpp" not in node1.stdout  # the one line, not pages of C++ stack
     assert "Their output above says why." in node1.stdout
