@@ -142,15 +142,15 @@ for name in ["gpipe", "1f1b"]:
 # ## Memory: activations held at once
 #
 # A stage must keep each micro-batch's saved activations from its forward until its
-# backward. Every trace also recorded the most micro-batches a stage held at once, and the
-# bytes autograd had saved for them at that moment (weights excluded):
+# backward. Every trace also recorded the most micro-batches a stage held at once (their
+# bytes, and the whole step's, are measured on the
+# [from-scratch page](../course/week-3/pipeline-from-scratch.md#memory-measured)):
 
 # %%
 for name in ["gpipe", "1f1b"]:
     for r in ranks:
         t = r[name]["traces"][-1]
-        print(f"{name:>5} stage {t.stage_index}: at most {t.peak_live} micro-batches, "
-              f"{t.peak_live_bytes / 2**20:.2f} MiB of activations")
+        print(f"{name:>5} stage {t.stage_index}: at most {t.peak_live} micro-batches")
 
 # %% [markdown]
 # GPipe holds all $m$ micro-batches on every stage: the backwards only start once every

@@ -1,10 +1,15 @@
 """Pipeline parallelism from scratch (GPipe and 1F1B) against single-process training on the same
 global batch, and torch.distributed.pipelining against the from-scratch schedules (gloo, 2 and 4
-processes). One spawn per number of stages runs every case; the tests read its results."""
+processes), and the live tensor memory of a step under each schedule (2 processes). One spawn
+per number of stages runs every case; the tests read its results."""
+
+from pathlib import Path
 
 import pytest
 import torch
 
+from snippets.bench.pipeline_memory import MICRO_BATCHES as MEMORY_MICRO_BATCHES
+from snippets.bench.pipeline_memory import memory_worker, plot_svg
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config
 from snippets.scratch.pipeline import (SCHEDULES, gpipe_schedule, one_f_one_b_schedule,
@@ -13,12 +18,14 @@ from snippets.scratch.pipeline import (SCHEDULES, gpipe_schedule, one_f_one_b_sc
 
 STEPS, BATCH, SEQ = 2, 8, 16
 MICRO_BATCHES = {2: [2, 4], 4: [4, 8]}  # stages -> micro-batch counts tried
+FIGURE = Path(__file__).parents[1] / "docs/assets/figures/pipeline-memory.svg"
 
 
 def pipeline_worker(rank, world_size, micro_batch_counts):
     results = {m: train_pipeline(rank, world_size, list(SCHEDULES), m, STEPS, BATCH, SEQ)
                for m in micro_batch_counts}
-    if world_size == 2:  # torch's schedules, in the same processes
+    if world_size == 2:  # torch's schedules and the memory measurement, in the same processes
+        results["memory"] = memory_worker(rank, world_size, list(MEMORY_MICRO_BATCHES))
         from snippets.parallel.pipelining import train_torch_pipeline  # a slow import: only here
 
         results["torch"] = train_torch_pipeline(rank, world_size, list(SCHEDULES),
@@ -70,13 +77,39 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_holds_m(runs):
     stages, ranks, _, _, _ = runs
     for m in MICRO_BATCHES[stages]:
         for s, result in enumerate(ranks):
-            gpipe = result[m]["gpipe"]["traces"][-1]
-            one_f_one_b = result[m]["1f1b"]["traces"][-1]
-            assert gpipe.peak_live == m
-            assert one_f_one_b.peak_live == min(stages - s, m) <= stages
-            # Every micro-batch saves the same tensors, so the bytes scale exactly with the count.
-            assert one_f_one_b.peak_live_bytes * m == gpipe.peak_live_bytes * one_f_one_b.peak_live
+            assert result[m]["gpipe"]["traces"][-1].peak_live == m
+            assert result[m]["1f1b"]["traces"][-1].peak_live == min(stages - s, m) <= stages
 # --8<-- [end:live-activations]
+
+
+# --8<-- [start:measured-memory]
+@pytest.mark.parametrize("runs", [2], indirect=True, ids=["2-stages"])
+def test_1f1b_peak_memory_is_flat_in_m_gpipe_grows_with_m(runs):
+    """Peak live tensor bytes of one step on each stage s, for m micro-batches of one size.
+    Sizes, not timings: exact. The peak comes in a backward, once the stage's gradients exist:
+    GPipe's second backward, still holding m - 1 micro-batches, and 1F1B's steady state,
+    holding p - s. So 1F1B's peak is GPipe's with p - s + 1 micro-batches, whatever m is."""
+    p, ranks = runs[0], runs[1]
+    for s, result in enumerate(ranks):
+        gpipe = {m: result["memory"]["gpipe", m] for m in MEMORY_MICRO_BATCHES}
+        a = (gpipe[4] - gpipe[2]) // 2  # one micro-batch's activations on this stage
+        assert a > 0
+
+        def gpipe_peak(m):  # GPipe's peak grows by a with every micro-batch
+            return gpipe[2] + (m - 2) * a
+
+        for m in MEMORY_MICRO_BATCHES:
+            assert gpipe[m] == gpipe_peak(m), (s, m)
+            # With m <= p - s micro-batches, 1F1B is GPipe: all forwards come first.
+            assert result["memory"]["1f1b", m] == gpipe_peak(min(m, p - s + 1)), (s, m)
+
+
+@pytest.mark.parametrize("runs", [2], indirect=True, ids=["2-stages"])
+def test_the_page_plots_these_peaks(runs, tmp_path):
+    plot_svg([result["memory"] for result in runs[1]], tmp_path / "plot.svg")
+    assert (tmp_path / "plot.svg").read_bytes() == FIGURE.read_bytes(), (
+        "the figure is stale: python -m snippets.bench.pipeline_memory --svg " + str(FIGURE))
+# --8<-- [end:measured-memory]
 
 
 # --8<-- [start:torch-pipelining]

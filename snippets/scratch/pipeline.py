@@ -16,12 +16,12 @@ and the bubble (the idle share of the step) measured. The loss of each micro-bat
 m, so the gradients summed over the micro-batches equal one big batch's.
 
 Only torch.distributed primitives are used (isend, recv); tests/test_pipeline.py checks both
-schedules against single-process training. Run `python -m snippets.scratch.pipeline` for a demo.
+schedules against single-process training. snippets/bench/pipeline_bubble.py measures the bubble
+and snippets/bench/pipeline_memory.py the live tensor memory of a step.
 """
 
 from __future__ import annotations
 
-import argparse
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -120,7 +120,6 @@ class StageTrace:
     stage_index: int
     events: list = field(default_factory=list)  # (kind "F"/"B", micro-batch, start, end)
     peak_live: int = 0  # most micro-batches whose activations were held at once
-    peak_live_bytes: int = 0  # the bytes autograd saved for them at that moment
 
     @contextmanager
     def op(self, kind: str, micro_batch: int):
@@ -130,24 +129,6 @@ class StageTrace:
 
     def busy_s(self) -> float:
         return sum(end - start for _, _, start, end in self.events)
-
-
-@contextmanager
-def saved_activation_bytes(module: nn.Module):
-    """Count the bytes autograd saves for backward inside the block, weights excluded: the
-    activation memory a micro-batch costs until its backward runs."""
-    weights = {t.untyped_storage().data_ptr() for t in [*module.parameters(), *module.buffers()]}
-    seen, total = set(), [0]
-
-    def pack(tensor):
-        storage = tensor.untyped_storage()
-        if storage.data_ptr() not in weights and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total[0] += storage.nbytes()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield total
 # --8<-- [end:trace]
 
 
@@ -158,16 +139,26 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
     """Run one step's forwards and backwards on this stage, in the order `actions` gives.
 
     Activations go to rank stage_index + 1 and gradients to rank stage_index - 1 with isend,
-    which returns at once: a rank never blocks on a send, only on the recv of something it
-    needs, so no order of sends can deadlock. The tag is the micro-batch index.
+    which returns at once: a rank blocks only on the recv of something it needs, or on a send
+    its neighbour needs before the one it posts next, so no order of sends can deadlock. The
+    tag is the micro-batch index.
     Returns (the mean loss over the micro-batches on the last stage, else None; the trace).
     """
     first, last = stage_index == 0, stage_index == num_stages - 1
     m = sum(kind == "F" for kind, _ in actions)
     trace = StageTrace(stage_index)
-    held = {}  # micro-batch -> (stage input, stage output, saved bytes): waiting for backward
-    sends = []  # (work, tensor): a tensor must stay alive until its isend completes
+    held = {}  # micro-batch -> (stage input, stage output): waiting for its backward
+    in_flight = {}  # neighbour rank -> (work, tensor) of the last isend to it
     loss_sum = 0.0
+
+    def send(tensor, dst, i):
+        # Gloo tells that a send is done only through wait(). So wait for the previous send to
+        # dst before posting this one (dst receives in order: it needs that one first anyway)
+        # and free its tensor now, not at the end of the step: one send per neighbour lives.
+        if dst in in_flight:
+            in_flight.pop(dst)[0].wait()
+        in_flight[dst] = (dist.isend(tensor, dst=dst, tag=i), tensor)
+
     for kind, i in actions:
         if kind == "F":
             if first:
@@ -176,19 +167,18 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
                 x = torch.empty(activation_shape, dtype=dtype)
                 dist.recv(x, src=stage_index - 1, tag=i)
                 x.requires_grad_()  # so that backward produces the gradient to send back
-            with trace.op("F", i), saved_activation_bytes(stage) as saved:
+            with trace.op("F", i):
                 y = stage(x)
                 if last:  # divided by m: the summed gradients are those of the whole batch
                     y = loss_fn(y, micro_targets[i]) / m
             if last:
                 loss_sum += y.item()
             else:
-                sends.append((dist.isend(y.detach(), dst=stage_index + 1, tag=i), y))
-            held[i] = (x, y, saved[0])
+                send(y.detach(), stage_index + 1, i)
+            held[i] = (x, y)
             trace.peak_live = max(trace.peak_live, len(held))
-            trace.peak_live_bytes = max(trace.peak_live_bytes, sum(h[2] for h in held.values()))
         else:
-            x, y, _ = held.pop(i)  # dropping them frees this micro-batch's activations
+            x, y = held.pop(i)  # dropping them frees this micro-batch's activations
             grad = None  # on the last stage y is the loss: backward starts from it
             if not last:
                 grad = torch.empty_like(y)
@@ -196,8 +186,8 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
             with trace.op("B", i):
                 torch.autograd.backward(y, grad)  # adds into .grad: accumulates over micro-batches
             if not first:
-                sends.append((dist.isend(x.grad, dst=stage_index - 1, tag=i), x.grad))
-    for work, _ in sends:
+                send(x.grad, stage_index - 1, i)
+    for work, _ in in_flight.values():
         work.wait()
     return (loss_sum if last else None), trace
 # --8<-- [end:run-schedule]
@@ -261,7 +251,7 @@ def measured_bubble(traces: list[StageTrace]) -> list[float]:
 # --8<-- [end:bubble]
 
 
-# --8<-- [start:demo]
+# --8<-- [start:training]
 def train_pipeline(rank, world_size, schedule_names, num_micro_batches, steps, batch_size, seq_len,
                    config_name="tiny", num_layers=None):
     """Train a GPT (by default the tiny one with one layer per stage) for a few steps with each
@@ -304,33 +294,4 @@ def single_process(steps, batch_size, seq_len, config_name="tiny", num_layers=2)
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return model.state_dict(), losses
-
-
-def main():
-    from snippets.dist import spawn
-
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--stages", type=int, default=4)
-    parser.add_argument("--micro-batches", type=int, default=8)
-    parser.add_argument("--steps", type=int, default=3)
-    args = parser.parse_args()
-    p, m, batch, seq = args.stages, args.micro_batches, 2 * args.micro_batches, 32
-    reference, ref_losses = single_process(args.steps, batch, seq, num_layers=p)
-    print(f"tiny GPT with {p} layers, {p} stages (1 layer each), batch of {batch} sequences x "
-          f"{seq} tokens in {m} micro-batches, {args.steps} SGD steps")
-    print(f"single process   losses {' '.join(f'{x:.4f}' for x in ref_losses)}")
-    ranks = spawn(train_pipeline, p, list(SCHEDULES), m, args.steps, batch, seq, timeout_s=120)
-    for name in SCHEDULES:
-        runs = [r[name] for r in ranks]
-        worst = max((run["state"][k] - reference[k]).abs().max().item()
-                    for run in runs for k in run["state"])
-        print(f"{name:<6} pipeline  losses {' '.join(f'{x:.4f}' for x in runs[-1]['losses'])}"
-              f"   max |weight - single process| {worst:.1e}")
-        live = ", ".join(f"{t.peak_live} ({t.peak_live_bytes / 2**10:.0f} KiB)"
-                         for t in (run["traces"][-1] for run in runs))
-        print(f"       peak live activations per stage, micro-batches (memory): {live}")
-
-
-if __name__ == "__main__":
-    main()
-# --8<-- [end:demo]
+# --8<-- [end:training]
