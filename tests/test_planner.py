@@ -162,7 +162,7 @@ def test_planner_matches_the_course_benchmarks_in_bench_json():
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run generated JavaScript")
 def test_generated_javascript_gives_the_python_numbers_for_the_new_options():
     """The calculator's translated model on sequence, context and interleaved pipeline
-    parallelism, selective recomputation and the GPT-3 block (tests/test_browser.py checks the
+    parallelism, selective recomputation, the GPT-3 block and expert parallelism (tests/test_browser.py checks the
     page itself in Chromium). Equal to rounding: the same arithmetic in the same order."""
     gpt3 = {"architecture": "gpt3", "vocab_size": 51200, "hidden_size": 12288,
             "intermediate_size": 49152, "num_hidden_layers": 96, "num_attention_heads": 96,
@@ -178,6 +178,11 @@ def test_generated_javascript_gives_the_python_numbers_for_the_new_options():
                                        cp_overlap=False, flops="6N")),
         (gpt3, plan(dp=4, tp=8, pp=8, sp=True, recompute="selective", micro_batches=8,
                     precision="bf16", flops="matmuls")),
+        (cm.MODELS["deepseek-v3"] | {"num_hidden_layers": 64},
+         plan(dp=128, pp=16, ep=64, zero_stage=1, precision="fp8", recompute="full",
+              seq_len=4096, micro_batches=120, ep_overlap=True)),
+        (cm.MODELS["deepseek-v3"], plan(dp=16, ep=8, zero_stage=3, precision="bf16",
+                                        recompute="selective", micro_batches=4)),
     ]
     cluster = "H100 SXM, 8 per node, InfiniBand 400 Gb/s"
     runner = ("globalThis.window = {};\n" + translate(SOURCE.read_text()) +

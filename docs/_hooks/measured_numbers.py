@@ -9,6 +9,12 @@ by, `{{ bench:zero_memory.by_world_size.4.DDP.peak_bytes:MiB:.2f }}`, or a divis
 `{{ bench:allreduce_bandwidth.world_2.sizes.0.ring.us:/1000:.2f }}` (microseconds as ms). So a new `make bench` rewrites the prose with the
 tables, and a number on a page cannot drift from its run.
 
+The scale planner is a second source, computed rather than recorded: `{{ planner:--model
+llama-70b --dp 128 --tp 8 --sp|memory_bytes.total:GB:.1f }}` is what `python -m snippets.planner`
+with those flags computes (its plan_training result, run in-process), then `|`, then the path of
+a key in that result (`tokens_per_s`, `time_s.step`, `bubble_fraction`), or in `model`, `plan`
+or `cluster`, the inputs the flags chose. Flags the planner refuses fail like a missing key.
+
 A key that does not resolve is a warning naming the page and the key, which fails
 `mkdocs build --strict`; the page shows the placeholder, marked. A placeholder inside a fenced
 code block is refused the same way: the code-block runner (tests/codeblocks.py) reads the raw
@@ -18,9 +24,13 @@ resolves every placeholder of every page without a build.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import re
+import shlex
+from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,12 +51,38 @@ def record(name: str):
     return _loaded[path][1]
 
 
+@lru_cache(maxsize=None)
+def planned(flags: str) -> dict:
+    """What the planner computes for these command-line flags, with its inputs."""
+    from snippets.planner.__main__ import parse_args, plan_of
+    from snippets.planner.cost_model import CLUSTERS, MODELS, PlannerError, plan_training
+
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):
+            args = parse_args(shlex.split(flags))
+        model, plan, cluster = MODELS[args.model], plan_of(args), CLUSTERS[args.cluster]
+        return {**plan_training(model, plan, cluster), "model": model, "plan": plan,
+                "cluster": cluster}
+    except SystemExit:
+        raise KeyError(f"the planner refuses {flags!r}: {stderr.getvalue().strip()}") from None
+    except PlannerError as e:
+        raise KeyError(f"the planner refuses {flags!r}: {e}") from None
+
+
 def resolve(source: str, key: str, spec: str | None = None) -> str:
     """The text a placeholder stands for; KeyError with the reason when it has none."""
-    if source not in SOURCES:
-        raise KeyError(f"unknown record {source!r} (known: {', '.join(SOURCES)})")
-    data = record(source)
-    roots = [data.get("results", {}), data] if isinstance(data, dict) else [data]
+    if source == "planner":
+        flags, bar, key = key.partition("|")
+        if not bar:
+            raise KeyError("write {{ planner:<flags>|<key>[:format] }}")
+        roots, name = [planned(flags.strip())], f"the planner's result for {flags.strip()!r}"
+    elif source in SOURCES:
+        data = record(source)
+        roots = [data.get("results", {}), data] if isinstance(data, dict) else [data]
+        name = SOURCES[source].name
+    else:
+        raise KeyError(f"unknown record {source!r} (known: {', '.join(SOURCES)}, planner)")
     for value in roots:
         try:
             for part in key.strip().split("."):
@@ -64,7 +100,7 @@ def resolve(source: str, key: str, spec: str | None = None) -> str:
             return format(value, spec) if spec else str(value)
         except ValueError as e:
             raise KeyError(f"{source}:{key} cannot take the format {spec!r}: {e}") from None
-    raise KeyError(f"{SOURCES[source].name} has no key {key.strip()!r}")
+    raise KeyError(f"{name} has no key {key.strip()!r}")
 
 
 def substitute(markdown: str, where: str) -> tuple[str, list[str]]:

@@ -2,6 +2,7 @@
 
     python -m snippets.planner --model llama-70b --dp 16 --tp 8 --pp 4 --zero-stage 1
     python -m snippets.planner --model llama-70b --seq-len 4096 --dp 128 --tp 8 --sp
+    python -m snippets.planner --model deepseek-v3 --dp 128 --ep 64 --recompute
 """
 
 import argparse
@@ -24,7 +25,8 @@ def parse_args(argv=None):
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="llama-7b")
     p.add_argument("--cluster", choices=sorted(CLUSTERS), default=next(iter(CLUSTERS)))
-    for name, default in (("dp", 8), ("tp", 1), ("pp", 1), ("cp", 1), ("virtual-stages", 1),
+    for name, default in (("dp", 8), ("tp", 1), ("pp", 1), ("cp", 1), ("ep", 1),
+                          ("virtual-stages", 1),
                           ("micro-batch-size", 1), ("micro-batches", 8), ("seq-len", 2048)):
         p.add_argument(f"--{name}", type=int_at_least(1), default=default)
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
@@ -34,6 +36,8 @@ def parse_args(argv=None):
                    choices=("none", "selective", "full"), help="bare --recompute means full")
     p.add_argument("--no-cp-overlap", dest="cp_overlap", action="store_false",
                    help="ring attention's K/V exchange not hidden behind attention's compute")
+    p.add_argument("--ep-overlap", action="store_true",
+                   help="the experts' all-to-alls hidden behind compute (DeepSeek's DualPipe)")
     p.add_argument("--schedule", choices=("1f1b", "gpipe"), default="1f1b")
     p.add_argument("--mfu", type=checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                    default=0.4, help="fraction of peak FLOP/s the matmuls reach while they run")
@@ -42,16 +46,22 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
+def plan_of(args) -> dict:
+    """The plan the parsed flags describe (the cost model's keys)."""
+    return {key: getattr(args, key) for key in (
+        "dp", "tp", "pp", "cp", "ep", "ep_overlap", "virtual_stages", "zero_stage", "precision",
+        "sp", "recompute", "cp_overlap", "micro_batch_size", "micro_batches", "seq_len",
+        "schedule", "mfu", "flops")}
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
-    plan = {key: getattr(args, key) for key in (
-        "dp", "tp", "pp", "cp", "virtual_stages", "zero_stage", "precision", "sp", "recompute",
-        "cp_overlap", "micro_batch_size", "micro_batches", "seq_len", "schedule", "mfu", "flops")}
     try:
-        r = plan_training(MODELS[args.model], plan, CLUSTERS[args.cluster])
+        r = plan_training(MODELS[args.model], plan_of(args), CLUSTERS[args.cluster])
     except PlannerError as err:
         sys.exit(f"error: {err}")
-    extras = [f"cp={args.cp}" if args.cp > 1 else "", "sp" if args.sp else "",
+    extras = [f"cp={args.cp}" if args.cp > 1 else "", f"ep={args.ep}" if args.ep > 1 else "",
+              "sp" if args.sp else "",
               f"v={args.virtual_stages}" if args.virtual_stages > 1 else "",
               f"recompute={args.recompute}" if args.recompute != "none" else ""]
     print(f"{args.model} on {r['gpus']} GPUs ({args.cluster}): dp={args.dp} tp={args.tp} "

@@ -44,6 +44,20 @@ MODELS = {
     "llama-405b": {"vocab_size": 128256, "hidden_size": 16384, "intermediate_size": 53248,
                    "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8,
                    "tie_word_embeddings": False},
+    # DeepSeek-V3 (arXiv:2412.19437, section 4.2; inference/configs/config_671B.json of
+    # deepseek-ai/DeepSeek-V3): 671B parameters, 37B active per token. Every layer after the
+    # first 3 is MoE: 1 shared and 256 routed experts of width 2048, 8 routed per token.
+    # Attention is MLA: low-rank q (1536) and k/v (512 + 64 RoPE) projections, 128 heads with
+    # q/k of 128 + 64 and v of 128; the multi-token-prediction module is left out.
+    "deepseek-v3": {"vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+                    "num_hidden_layers": 61, "num_attention_heads": 128,
+                    "num_key_value_heads": 128, "tie_word_embeddings": False,
+                    "attention_parameters": (7168 * 1536 + 1536 * 128 * (128 + 64)
+                                             + 7168 * (512 + 64) + 512 * 128 * (128 + 128)
+                                             + 128 * 128 * 7168),
+                    "attention_width": 128 * (128 + 64 + 128),
+                    "num_experts": 256, "experts_per_token": 8, "shared_experts": 1,
+                    "moe_intermediate_size": 2048, "first_dense_layers": 3},
 }
 
 # One GPU (or this CPU) and its links. Peak FLOP/s are dense (no sparsity), per precision.
@@ -106,13 +120,23 @@ def is_gpt3(model):
     return option(model, "architecture", "llama") == "gpt3"
 
 
-def matmul_parameters_per_layer(model):
-    h, f = model["hidden_size"], model["intermediate_size"]
+def attention_parameters(model):
+    """q and o are h x h; k and v are h x kv (fewer with GQA). A model may state its own count
+    (DeepSeek-V3's MLA)."""
+    h = model["hidden_size"]
     kv = model["num_key_value_heads"] * (h // model["num_attention_heads"])
-    attention = 2 * h * h + 2 * h * kv  # q and o are h x h; k and v are h x kv (fewer with GQA)
+    return option(model, "attention_parameters", 2 * h * h + 2 * h * kv)
+
+
+def mlp_parameters(model, width):
     if is_gpt3(model):
-        return attention + 2 * h * f  # GELU MLP: up, down
-    return attention + 3 * h * f  # SwiGLU: gate, up, down
+        return 2 * model["hidden_size"] * width  # GELU MLP: up, down
+    return 3 * model["hidden_size"] * width  # SwiGLU: gate, up, down
+
+
+def matmul_parameters_per_layer(model):
+    """A dense block's matmul parameters."""
+    return attention_parameters(model) + mlp_parameters(model, model["intermediate_size"])
 
 
 def parameters_per_layer(model):
@@ -122,6 +146,28 @@ def parameters_per_layer(model):
         biases = h + 2 * kv + h + f + h  # q, k, v, o, up, down
         return matmul_parameters_per_layer(model) + biases + 4 * h  # + 2 LayerNorms (gain, bias)
     return matmul_parameters_per_layer(model) + 2 * h  # plus the two RMSNorm gains
+
+
+# Mixture of experts (optional model keys): after first_dense_layers dense blocks, every block's
+# MLP is num_experts routed experts of width moe_intermediate_size, experts_per_token (top-k) of
+# them per token, plus shared_experts that every token uses, and a router (h x num_experts).
+def moe_layers(model):
+    if option(model, "num_experts", 0) == 0:
+        return 0
+    return model["num_hidden_layers"] - option(model, "first_dense_layers", 0)
+
+
+def expert_parameters(model):
+    """One expert's parameters."""
+    return mlp_parameters(model, model["moe_intermediate_size"])
+
+
+def moe_shared_parameters_per_layer(model):
+    """What every rank of an MoE block holds whatever ep is: attention, the shared experts, the
+    router and the two norm gains; the routed experts are split ep ways."""
+    return (attention_parameters(model) + option(model, "shared_experts", 0)
+            * expert_parameters(model) + model["hidden_size"] * model["num_experts"]
+            + 2 * model["hidden_size"])
 
 
 def embedding_parameters(model):
@@ -140,7 +186,12 @@ def final_norm_parameters(model):
 
 
 def parameter_count(model):
-    return (model["num_hidden_layers"] * parameters_per_layer(model)
+    moe = moe_layers(model)
+    routed = 0
+    if moe > 0:
+        routed = moe * (moe_shared_parameters_per_layer(model)
+                        + model["num_experts"] * expert_parameters(model))
+    return ((model["num_hidden_layers"] - moe) * parameters_per_layer(model) + routed
             + embedding_parameters(model) + final_norm_parameters(model))
 # --8<-- [end:parameters]
 
@@ -157,25 +208,48 @@ def sharded_state_bytes(params, precision, zero_stage, dp):
             "total": weights + gradients + optimizer}
 
 
+def moe_layers_per_stage(model, plan):
+    """MoE blocks on the busiest stage: as many as it can hold (all of them when pp = 1)."""
+    return min(model["num_hidden_layers"] // plan["pp"], moe_layers(model))
+
+
 def model_state_bytes(model, plan):
     """Model state held by the busiest rank. Tensor parallelism splits every matrix tp ways;
     pipeline parallelism gives each stage num_hidden_layers / pp layers, and the first stage
-    also holds the embedding (so it is the busiest)."""
+    also holds the embedding (so it is the busiest; with MoE, counted as if all its blocks were
+    MoE). Expert parallelism gives each rank num_experts / ep of every MoE block's experts."""
     layers = model["num_hidden_layers"] // plan["pp"]
-    params = (layers * parameters_per_layer(model) + embedding_parameters(model)) / plan["tp"]
+    moe, ep = moe_layers_per_stage(model, plan), option(plan, "ep", 1)
+    dense = (layers - moe) * parameters_per_layer(model) + embedding_parameters(model)
+    if moe > 0:
+        dense = dense + moe * moe_shared_parameters_per_layer(model)
+    dense = dense / plan["tp"]
     if plan["pp"] == 1:
-        params = params + final_norm_parameters(model) / plan["tp"]
-    # Context-parallel ranks hold the same weights, so ZeRO shards over dp x cp ranks.
+        dense = dense + final_norm_parameters(model) / plan["tp"]
+    experts = 0
+    if moe > 0:
+        experts = moe * model["num_experts"] / ep * expert_parameters(model) / plan["tp"]
+    # Context-parallel ranks hold the same weights, so ZeRO shards over dp x cp ranks; an
+    # expert is held by the dp x cp / ep ranks of its expert-data-parallel group.
     shards = plan["dp"] * option(plan, "cp", 1)
-    state = sharded_state_bytes(params, plan["precision"], plan["zero_stage"], shards)
+    state = sharded_state_bytes(dense, plan["precision"], plan["zero_stage"], shards)
+    expert_state = sharded_state_bytes(experts, plan["precision"], plan["zero_stage"],
+                                       shards / ep)
     # ZeRO-3 gathers one block's full weights to compute with it (and prefetches the next).
     gathered = 0
     if plan["zero_stage"] >= 3 and shards > 1:
-        gathered = (2 * parameters_per_layer(model) / plan["tp"]
-                    * PRECISIONS[plan["precision"]]["weights"])
-    return {"parameters": params, "weights": state["weights"], "gradients": state["gradients"],
-            "optimizer": state["optimizer"], "zero3_gathered": gathered,
-            "total": state["total"] + gathered}
+        block = parameters_per_layer(model)
+        if moe > 0:
+            block = max(block, moe_shared_parameters_per_layer(model)
+                        + model["num_experts"] / ep * expert_parameters(model))
+        gathered = 2 * block / plan["tp"] * PRECISIONS[plan["precision"]]["weights"]
+    return {"parameters": dense + experts, "dense_parameters": dense,
+            "expert_parameters": experts,
+            "weights": state["weights"] + expert_state["weights"],
+            "gradients": state["gradients"] + expert_state["gradients"],
+            "optimizer": state["optimizer"] + expert_state["optimizer"],
+            "zero3_gathered": gathered,
+            "total": state["total"] + expert_state["total"] + gathered}
 # --8<-- [end:model-state]
 
 
@@ -235,6 +309,24 @@ def activation_bytes_per_layer(model, plan):
     return tokens * (outside / outside_shards + inside / plan["tp"])
 
 
+def moe_activation_bytes_per_layer(model, plan):
+    """What an MoE block saves beyond a dense one, per micro-batch: its MLP tensors are those
+    of experts_per_token + shared_experts experts of width moe_intermediate_size instead of one
+    MLP of width intermediate_size, plus each routed copy of the token going into an expert and
+    its output coming back (2 x experts_per_token x h), kept for the combine's backward."""
+    if recompute_mode(plan) == "full":
+        return 0
+    tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
+    element = PRECISIONS[plan["precision"]]["activations"]
+    per_mlp = 4
+    if is_gpt3(model):
+        per_mlp = 2
+    k, h = model["experts_per_token"], model["hidden_size"]
+    width = (k + option(model, "shared_experts", 0)) * model["moe_intermediate_size"]
+    extra = per_mlp * (width - model["intermediate_size"]) + 2 * k * h
+    return tokens * extra * element / plan["tp"]
+
+
 def activation_bytes_outside_layers(model, plan):
     """The embedding output and final norm (3h per token), the fp32 log-softmax over the
     vocabulary kept for the loss's backward, and the int64 input ids and targets."""
@@ -263,6 +355,9 @@ def activation_bytes(model, plan):
     layers = model["num_hidden_layers"] // plan["pp"]
     per_micro_batch = (layers * activation_bytes_per_layer(model, plan)
                        + activation_bytes_outside_layers(model, plan))
+    moe = moe_layers_per_stage(model, plan)
+    if moe > 0:
+        per_micro_batch = per_micro_batch + moe * moe_activation_bytes_per_layer(model, plan)
     return per_micro_batch * micro_batches_in_flight(plan)
 # --8<-- [end:activations]
 
@@ -273,17 +368,27 @@ FLOP_CONVENTIONS = ("matmuls+attention", "matmuls", "6N")
 
 def matmul_parameters(model):
     """Parameters that take part in a matmul per token: every block's projections and the
-    output head (tied or not). The embedding lookup is a gather, not a matmul."""
-    return (model["num_hidden_layers"] * matmul_parameters_per_layer(model)
+    output head (tied or not). The embedding lookup is a gather, not a matmul. An MoE block
+    counts only its active parameters: attention, the router, the shared experts and the
+    experts_per_token routed experts a token goes to."""
+    moe = moe_layers(model)
+    active = 0
+    if moe > 0:
+        active = moe * (attention_parameters(model) + model["hidden_size"] * model["num_experts"]
+                        + (option(model, "shared_experts", 0) + model["experts_per_token"])
+                        * expert_parameters(model))
+    return ((model["num_hidden_layers"] - moe) * matmul_parameters_per_layer(model) + active
             + model["vocab_size"] * model["hidden_size"])
 
 
 def training_flops_per_token(model, seq_len):
     """6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus attention's two
-    seq_len x seq_len matmuls: 12 x layers x seq_len x hidden, the full (non-causal) score
-    matrix, as Narayanan et al. 2021 count it (see snippets/planner/flops.py)."""
-    return (6 * matmul_parameters(model)
-            + 12 * model["num_hidden_layers"] * seq_len * model["hidden_size"])
+    seq_len x seq_len matmuls, q.k and probs.v: 6 x layers x seq_len x (their widths summed
+    over heads: 2 x hidden, or the model's attention_width), the full (non-causal) score
+    matrix, as Narayanan et al. 2021 count it: 12 x layers x seq_len x hidden (see
+    snippets/planner/flops.py)."""
+    width = option(model, "attention_width", 2 * model["hidden_size"])
+    return 6 * matmul_parameters(model) + 6 * model["num_hidden_layers"] * seq_len * width
 
 
 def model_flops_per_token(model, plan):
@@ -375,6 +480,15 @@ def validate(model, plan, cluster):
     if model["intermediate_size"] % plan["tp"] != 0:
         raise PlannerError(f"intermediate_size={model['intermediate_size']} is not divisible "
                            f"by tp={plan['tp']}")
+    ep = option(plan, "ep", 1)
+    check_positive_int("ep", ep)
+    if ep > 1 and moe_layers(model) == 0:
+        raise PlannerError(f"ep={ep} needs a mixture-of-experts model: this one has no experts")
+    if ep > 1 and model["num_experts"] % ep != 0:
+        raise PlannerError(f"num_experts={model['num_experts']} is not divisible by ep={ep}")
+    if (plan["dp"] * cp) % ep != 0:
+        raise PlannerError(f"ep={ep} does not divide dp x cp={plan['dp'] * cp}: the expert-"
+                           f"parallel ranks are data-parallel ranks of the dense layers")
     if plan["tp"] > cluster["gpus_per_node"]:
         raise PlannerError(f"tp={plan['tp']} exceeds gpus_per_node={cluster['gpus_per_node']}:"
                            f" tensor parallelism needs the fast links inside one node")
@@ -390,11 +504,14 @@ def plan_training(model, plan, cluster):
     run: kernel efficiency, not the end-to-end MFU this returns). Optional, with their defaults:
     sp (False: sequence parallelism), cp (1: context-parallel size), cp_overlap (True: ring
     attention's K/V exchange hidden behind attention's compute), virtual_stages (1: model
-    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention).
-    Rank order, innermost first: tp, cp, pp, dp; dp x tp x pp x cp GPUs in all.
+    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention),
+    ep (1: expert-parallel size, carved out of dp x cp), ep_overlap (False: the all-to-alls
+    hidden behind another micro-batch's compute, as DeepSeek's DualPipe schedules them).
+    Rank order, innermost first: tp, cp, ep (inside dp), pp, dp; dp x tp x pp x cp GPUs in all.
     """
     validate(model, plan, cluster)
     cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
+    ep = option(plan, "ep", 1)
     gpus = plan["dp"] * plan["tp"] * plan["pp"] * cp
     state = model_state_bytes(model, plan)
     activations = activation_bytes(model, plan)
@@ -437,13 +554,29 @@ def plan_training(model, plan, cluster):
             cp_per_layer = max(0, cp_per_layer - attention)
         cp_per_micro_batch = layers_per_stage * cp_per_layer
 
+    # Expert parallelism: per MoE block, each rank sends its tokens' experts_per_token routed
+    # copies (b x s/cp x k x h elements) to the ranks holding those experts and gets the outputs
+    # back: dispatch and combine, in forward and again in backward, 4 all-to-alls in which
+    # (ep - 1)/ep of the bytes leave the rank, in ep - 1 messages. The group spans nodes once
+    # tp x cp x ep outgrows one. Overlapped, it hides behind the micro-batch's compute.
+    ep_per_micro_batch = 0
+    if ep > 1:
+        a2a = (tokens_per_micro_batch / cp * model["experts_per_token"] * model["hidden_size"]
+               * element * (ep - 1) / ep)
+        ep_link = link(cluster, plan["tp"] * cp * ep > cluster["gpus_per_node"])
+        a2a_time = (ep - 1) * ep_link["alpha"] + a2a / ep_link["beta"]
+        ep_per_micro_batch = moe_layers_per_stage(model, plan) * 4 * a2a_time
+        if option(plan, "ep_overlap", False):
+            ep_per_micro_batch = max(0, ep_per_micro_batch - compute_per_micro_batch)
+
     # Pipeline: each micro-batch crosses each of a rank's v chunk boundaries twice (activation
-    # forward, gradient backward); stages span nodes once tp x cp x pp outgrows one node.
-    pp_link = link(cluster, plan["tp"] * cp * plan["pp"] > cluster["gpus_per_node"])
+    # forward, gradient backward); stages span nodes once tp x cp x ep x pp outgrows one node.
+    pp_link = link(cluster, plan["tp"] * cp * ep * plan["pp"] > cluster["gpus_per_node"])
     pp_per_micro_batch = 0
     if plan["pp"] > 1:
         pp_per_micro_batch = 2 * v * send_recv_time(activation_message / plan["tp"], pp_link)
-    slot = compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch + pp_per_micro_batch
+    slot = (compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch
+            + ep_per_micro_batch + pp_per_micro_batch)
     # The bubble: (p - 1)/v slots of idling against m of work, (p - 1)/(v m) of the ideal time
     # (Narayanan et al. 2021, section 2.2.2).
     m, p = plan["micro_batches"], plan["pp"]
@@ -460,8 +593,14 @@ def plan_training(model, plan, cluster):
     # of the compute.
     dp_group = plan["dp"] * cp
     dp_link = link(cluster, gpus > cluster["gpus_per_node"])
-    gradient_bytes = state["parameters"] * PRECISIONS[plan["precision"]]["gradients"]
-    gather = ring_all_gather_time(gradient_bytes, dp_group, dp_link)  # = one reduce-scatter
+    # With experts, the dense gradients sync over dp x cp ranks and each expert's over the
+    # dp x cp / ep ranks that hold it, one after the other.
+    gradient = PRECISIONS[plan["precision"]]["gradients"]
+    dense_bytes = state["dense_parameters"] * gradient
+    expert_bytes = state["expert_parameters"] * gradient
+    gather = ring_all_gather_time(dense_bytes, dp_group, dp_link)  # = one reduce-scatter
+    if expert_bytes > 0:
+        gather = gather + ring_all_gather_time(expert_bytes, dp_group / ep, dp_link)
     if plan["zero_stage"] == 3:
         dp_time = m * 3 * gather
         hidden = m * compute_per_micro_batch
@@ -469,7 +608,7 @@ def plan_training(model, plan, cluster):
         dp_time = m * gather + gather
         hidden = m * 2 / 3 * compute_per_micro_batch
     else:
-        dp_time = ring_all_reduce_time(gradient_bytes, dp_group, dp_link)
+        dp_time = 2 * gather  # an all-reduce: a reduce-scatter, then an all-gather
         hidden = 2 / 3 * compute_per_micro_batch
     exposed_dp = max(0, dp_time - hidden)
 
@@ -489,6 +628,7 @@ def plan_training(model, plan, cluster):
         "flops_per_token": model_flops_per_token(model, plan),
         "time_s": {"compute": m * compute_per_micro_batch, "tensor_parallel": m * tp_per_micro_batch,
                    "context_parallel": m * cp_per_micro_batch,
+                   "expert_parallel": m * ep_per_micro_batch,
                    "pipeline_p2p": m * pp_per_micro_batch, "bubble": bubble * pipeline_time,
                    "data_parallel": dp_time, "data_parallel_exposed": exposed_dp,
                    "step": step_time},
