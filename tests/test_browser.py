@@ -204,3 +204,161 @@ def test_calculator_runs_the_python_cost_model_offline(browser_page, site_url):
     assert not errors, f"JavaScript errors: {errors}"
     assert all(urlparse(u).hostname in LOOPBACK_HOSTS for u in requests
                if not u.startswith(("data:", "blob:")))
+
+
+# The calculator's two charts, drawn by docs/assets/js/calculator.js: the memory bar and the
+# pipeline schedule. Layouts: (model, cluster, every form field). One fits, one does not, and
+# pipelines: 1F1B, GPipe, interleaved, and m > 16 (the drawing stops at 16 micro-batches).
+H100 = "H100 SXM, 8 per node, InfiniBand 400 Gb/s"
+FORM_DEFAULTS = dict(dp=8, tp=1, pp=1, virtual_stages=1, cp=1, cp_overlap=True, sp=False,
+                     zero_stage=1, precision="bf16", recompute="none", micro_batch_size=1,
+                     micro_batches=8, seq_len=2048, schedule="1f1b", mfu=0.4,
+                     flops="matmuls+attention")
+CHART_LAYOUTS = [
+    ("llama-7b", H100, dict(dp=8, zero_stage=3)),  # fits, no pipeline
+    ("llama-7b", H100, dict(dp=8, zero_stage=0)),  # 119 GB of 80: over capacity
+    ("llama-70b", H100, dict(dp=16, tp=8, pp=4, micro_batches=8)),  # 1F1B
+    ("small", "This course's 2-core CPU (gloo)",
+     dict(dp=1, pp=2, micro_batches=4, seq_len=128, precision="fp32", schedule="gpipe")),
+    ("llama-70b", H100, dict(dp=16, tp=8, pp=4, virtual_stages=4, micro_batches=16,
+                             zero_stage=2, recompute="selective")),  # interleaved
+    ("llama-70b", H100, dict(dp=8, tp=8, pp=8, micro_batches=40, sp=True,
+                             seq_len=4096)),  # m = 40: 16 drawn
+]
+
+
+def set_calculator_form(page, model, cluster, values):
+    page.select_option("#planner-model", model)
+    page.select_option("#planner-cluster", cluster)
+    for key, value in values.items():
+        selector = f"#planner-{key}"
+        if isinstance(value, bool):
+            page.set_checked(selector, value)
+        elif key in ("zero_stage", "precision", "recompute", "schedule", "flops"):
+            page.select_option(selector, str(value))
+        else:
+            page.fill(selector, str(value))
+
+
+def check_calculator_charts(page, model, cluster, overrides):
+    """The charts on the page against the Python planner for the same inputs."""
+    from snippets.planner import cost_model
+    from snippets.scratch.pipeline import SCHEDULES
+
+    plan = {**FORM_DEFAULTS, **overrides}
+    set_calculator_form(page, model, cluster, plan)
+    expected = cost_model.plan_training(cost_model.MODELS[model], plan,
+                                        cost_model.CLUSTERS[cluster])
+    where = f"{model} {overrides}"
+
+    # Memory bar: one rect per part, its bytes the Python's, its width in proportion.
+    memory = expected["memory_bytes"]
+    named = ("weights", "gradients", "optimizer", "activations")
+    parts = {k: memory[k] for k in named}
+    parts["other"] = memory["total"] - sum(memory[k] for k in named)
+    bar = page.locator(".planner-memory svg")
+    rects = bar.locator("rect[data-part]")
+    got = {r.get_attribute("data-part"): (float(r.get_attribute("data-bytes")),
+                                          float(r.get_attribute("width")))
+           for r in rects.all()}
+    assert set(got) == set(parts), where
+    capacity = cost_model.CLUSTERS[cluster]["gpu_memory_gb"] * 1e9
+    px_per_byte = float(bar.locator(".planner-mem-capacity").get_attribute("x1")) / capacity
+    for key, value in parts.items():
+        assert got[key][0] == pytest.approx(value, rel=1e-12, abs=1e-3), (where, key)
+        assert got[key][1] == pytest.approx(value * px_per_byte, abs=0.02), (where, key)
+    # Over capacity: flagged on the SVG, the excess hatched, the caption says so.
+    over = not expected["fits"]
+    assert bar.get_attribute("data-over-capacity") == str(over).lower(), where
+    assert bar.locator(".planner-mem-over").count() == int(over), where
+    caption = page.inner_text(".planner-memory figcaption")
+    assert ("over capacity" in caption) == over, (where, caption)
+    assert bar.locator("title").count() >= 1 and bar.get_attribute("role") == "img"
+
+    # Schedule: only with a pipeline.
+    schedule = page.locator(".planner-schedule svg")
+    p, v = plan["pp"], plan["virtual_stages"]
+    if p == 1:
+        assert schedule.count() == 0, where
+        return
+    m = int(schedule.get_attribute("data-micro-batches"))
+    assert m == min(plan["micro_batches"], 16), where
+    assert (m < plan["micro_batches"]) == ("micro-batches (at most 16" in
+                                           page.inner_text(".planner-schedule figcaption"))
+    ops = schedule.locator(".planner-pipe-op")
+    assert ops.count() == 2 * m * p * v, where  # an F and a B per micro-batch, stage and chunk
+    # Each rank's blocks, left to right, in the order of the course's schedule code.
+    blocks = page.eval_on_selector_all(
+        ".planner-schedule .planner-pipe-op",
+        "gs => gs.map(g => { const r = g.querySelector('rect'); return [g.dataset.kind, "
+        "+g.dataset.microBatch, +g.dataset.chunk, +r.getAttribute('y'), "
+        "+r.getAttribute('x'), +r.getAttribute('width')]; })")
+    rows = sorted({b[3] for b in blocks})
+    assert len(rows) == p, where
+    if v == 1:
+        for stage, y in enumerate(rows):
+            order = [(k, i) for k, i, _, row, _, _ in sorted(blocks, key=lambda b: b[4])
+                     if row == y]
+            assert order == SCHEDULES[plan["schedule"]](m, stage, p), (where, stage)
+    else:  # interleaved: every rank runs each micro-batch's F and B once on each of its chunks
+        for y in rows:
+            ops_here = sorted((k, i, c) for k, i, c, row, _, _ in blocks if row == y)
+            assert ops_here == sorted((k, i, c) for k in "FB" for i in range(m)
+                                      for c in range(v)), where
+    # The bubble: hatched rects (a pattern fill, not a colour), whose share of the rank-time
+    # is the model's bubble for the m drawn.
+    bubbles = page.eval_on_selector_all(
+        ".planner-schedule .planner-pipe-bubble",
+        "rs => rs.map(r => [r.getAttribute('fill'), +r.dataset.idle, +r.getAttribute('width')])")
+    assert bubbles and all(fill.startswith("url(#") for fill, _, _ in bubbles), where
+    assert schedule.locator("pattern").count() == 1
+    drawn = cost_model.plan_training(cost_model.MODELS[model], {**plan, "micro_batches": m},
+                                     cost_model.CLUSTERS[cluster])["bubble_fraction"]
+    span = float(schedule.get_attribute("data-span"))
+    assert sum(idle for _, idle, _ in bubbles) / (p * span) == pytest.approx(drawn, rel=1e-9)
+    busy_px = sum(b[5] for b in blocks)
+    idle_px = sum(w for _, _, w in bubbles)
+    assert idle_px / (idle_px + busy_px) == pytest.approx(drawn, abs=2e-3), where  # 0.01 px
+    if m == plan["micro_batches"]:
+        assert drawn == pytest.approx(expected["bubble_fraction"], rel=1e-12)
+
+
+def test_calculator_draws_memory_and_schedule_like_the_python(browser_page, site_url):
+    from snippets.scratch.pipeline import SCHEDULES
+
+    page, requests, errors = browser_page
+    page.goto(site_url + "reference/calculator/")
+    page.locator("#planner-calculator [data-out='step']").wait_for()
+    # The page's schedule order is the course's (snippets/scratch/pipeline.py).
+    for name in SCHEDULES:
+        for p, m in [(2, 4), (4, 8), (4, 2), (8, 3)]:
+            for stage in range(p):
+                got = page.evaluate("a => PlannerCalculator.scheduleOrder(...a, 1)",
+                                    [name, m, stage, p])
+                assert [(k, i) for k, i, _ in got] == SCHEDULES[name](m, stage, p)
+    for model, cluster, overrides in CHART_LAYOUTS:
+        check_calculator_charts(page, model, cluster, overrides)
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run the page's JavaScript")
+def test_calculator_schedule_order_is_the_course_schedule_code():
+    """The order calculator.js draws equals snippets/scratch/pipeline.py's SCHEDULES (without a
+    browser or a site build: the browser test above checks the drawn page)."""
+    import json
+    import subprocess
+    from pathlib import Path
+
+    from snippets.scratch.pipeline import SCHEDULES
+
+    script = Path(__file__).parents[1] / "docs/assets/js/calculator.js"
+    cases = [(name, m, stage, p) for name in SCHEDULES for p, m in [(2, 4), (4, 8), (4, 2), (8, 3)]
+             for stage in range(p)]
+    runner = (f"globalThis.window = {{}}; require({json.dumps(str(script))});\n"
+              "const cases = JSON.parse(require('fs').readFileSync(0, 'utf8'));\n"
+              "console.log(JSON.stringify(cases.map(a => "
+              "window.PlannerCalculator.scheduleOrder(...a, 1))));\n")
+    out = subprocess.run(["node", "-e", runner], input=json.dumps(cases), capture_output=True,
+                         text=True, check=True).stdout
+    for (name, m, stage, p), got in zip(cases, json.loads(out)):
+        assert [(k, i) for k, i, _ in got] == SCHEDULES[name](m, stage, p), (name, m, stage, p)
