@@ -224,6 +224,9 @@ CHART_LAYOUTS = [
                              zero_stage=2, recompute="selective")),  # interleaved
     ("llama-70b", H100, dict(dp=8, tp=8, pp=8, micro_batches=40, sp=True,
                              seq_len=4096)),  # m = 40: 16 drawn
+    # The 1000-GPU page's layout: TP 8 with SP x DP 128 fits in 80 GB here as in the Python
+    # (tests/test_planner_published.py asserts the Python's side).
+    ("llama-70b", H100, dict(dp=128, tp=8, micro_batches=8, seq_len=4096, sp=True)),
 ]
 
 
