@@ -1,6 +1,7 @@
 """The exercises: stubs are the solutions minus exactly the exercise sections, every check passes
 on the solutions, and each check fails, with its explanation, on a typical wrong answer."""
 
+import ast
 import re
 import subprocess
 import sys
@@ -43,6 +44,25 @@ def outside_sections(text: str, sections: set[str]) -> list[str]:
     return kept
 
 
+def blanked_bodies(source: str, names) -> dict[str, list]:
+    """The statements (docstring left out) of the functions called names (`f`, `Class.f`)."""
+    found = {}
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if name in names:
+                    body = child.body
+                    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                        body = body[1:]
+                    found[name] = body
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    return found
+
+
 def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[int] = frozenset()):
     """A workspace holding a copy of each exercise file: the solution, with the named sections'
     bodies replaced (code dedented, then indented like the section's marker) and the exercises
@@ -72,7 +92,7 @@ def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[in
 
 
 def test_catalogue_lists_every_exercise_of_the_guide_once():
-    assert [e.number for e in catalog.EXERCISES] == list(range(1, 16))
+    assert [e.number for e in catalog.EXERCISES] == list(range(1, 21))
     assert {e.number for e in AVAILABLE} >= set(range(1, 8))
     for ex in catalog.EXERCISES:
         assert ex.title and ex.concept and ex.difficulty and ex.task
@@ -92,13 +112,21 @@ def test_stub_is_valid_python_and_differs_only_in_the_exercise_sections(file):
     sections = {s for e in exercises for s in e.sections}
     assert outside_sections(stub, sections) == outside_sections(solution, sections)
     raises = "raise NotImplementedError(\n"
-    assert stub.count(raises) - solution.count(raises) == sum(len(e.sections) for e in exercises)
+    assert stub.count(raises) - solution.count(raises) == sum(len(e.blank) or len(e.sections)
+                                                              for e in exercises)
     for ex in exercises:
         assert f'"Exercise {ex.number}: {ex.title}. ' in stub
         assert f"# TODO(exercise {ex.number}): " in stub
         assert f"python -m snippets.exercises check {ex.number}\")" in stub
-    # nothing of a solution body survives in its section
+    # nothing of a solution body survives in its section (or, for an exercise that blanks
+    # functions, in those functions: only their signature and docstring are left)
     for ex in exercises:
+        if ex.blank:
+            bodies = blanked_bodies(stub, ex.blank)
+            assert set(bodies) == set(ex.blank)
+            for name, body in bodies.items():
+                assert [type(node) for node in body] == [ast.Raise], (name, body)
+            continue
         for section in ex.sections:
             body = re.search(rf"\[start:{section}\]\n(.*?)\n[ \t]*# --8<-- \[end:{section}\]",
                              stub, re.S)[1]
@@ -132,9 +160,9 @@ def test_stubs_never_overwrite_edited_files_without_force(tmp_path):
 # ---------------------------------------------------------------- checks accept correct code
 
 
-# Exercise 15's check starts two processes; `check all` in the CLI test below runs it on the
-# solutions, so it is not run a second time here.
-@pytest.mark.parametrize("ex", [ex for ex in AVAILABLE if ex.number != 15],
+# The checks of exercises 15, 16, 19 and 20 start processes; `check all` in the CLI test below
+# runs them on the solutions, so they are not run a second time here.
+@pytest.mark.parametrize("ex", [ex for ex in AVAILABLE if ex.number not in (15, 16, 19, 20)],
                          ids=lambda e: f"exercise-{e.number}")
 def test_every_check_passes_on_the_solutions(ex):
     result = run_check(ex, solutions_workspace())
@@ -146,7 +174,7 @@ def test_cli_check_all_on_the_solutions_and_on_fresh_stubs(tmp_path):
     solutions = cli("check", "all", "--workspace", ".")
     assert solutions.returncode == 0, solutions.stdout + solutions.stderr
     assert f"{len(AVAILABLE)} of {len(AVAILABLE)} available exercises pass" in solutions.stdout
-    assert "not yet" not in solutions.stdout  # all fifteen have their solution and check
+    assert "not yet" not in solutions.stdout  # all have their solution and check
 
     write_stubs(tmp_path)
     fresh = cli("check", "2", "--workspace", str(tmp_path))
@@ -514,3 +542,261 @@ def test_the_failure_shown_on_the_exercises_page_is_real(tmp_path):
     report = _report(run_check(catalog.get(number), workspace_with(tmp_path, {section: body})))
     page = (ROOT / "docs" / "exercises" / "index.md").read_text()
     assert f"```text\n{report}\n```" in page, report
+
+
+# ---------------------------------------------------------------- the parallelisms (16 onward)
+# Their exercises blank function bodies inside larger sections (Exercise.blank); a planted
+# mistake replaces the whole section, so each wrong answer is written out as the full function.
+
+RING = '''
+def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunks = list(tensor.view(-1).tensor_split(world))
+    right, left = (rank + 1) % world, (rank - 1) % world
+
+    def exchange(send_index, recv_index):
+        received = torch.empty_like(chunks[recv_index])
+        request = dist.isend(chunks[send_index], right)
+        dist.recv(received, left)
+        request.wait()
+        return received
+
+    for step in range(world - 1):
+        send_index, recv_index = (rank - step) % world, (rank - step - 1) % world
+        chunks[recv_index] += exchange(send_index, recv_index)
+    for step in range(world - 1):
+        send_index, recv_index = (rank + 1 - step) % world, (rank - step) % world
+        chunks[recv_index].copy_(exchange(send_index, recv_index))
+    return tensor
+'''
+
+
+def ring(*edits: tuple[str, str]) -> str:
+    """The ring solution above with each (old, new) edit applied once."""
+    code = RING
+    for old, new in edits:
+        assert old in code, old
+        code = code.replace(old, new, 1)
+    return code
+
+
+PARALLEL_WRONG = {
+    "ring-sends-left": (16, "ring-all-reduce", ring(
+        ("right, left = (rank + 1) % world, (rank - 1) % world",
+         "right, left = (rank - 1) % world, (rank + 1) % world")),
+        "your ring sends to rank-1 (or counts the chunk index up, rank + step)"),
+    "ring-p-steps": (16, "ring-all-reduce", ring(("for step in range(world - 1):",
+                                                   "for step in range(world):")),
+                     "a phase ran p steps, not p-1"),
+    "ring-whole-tensor": (16, "ring-all-reduce", """
+        def ring_all_reduce(tensor):  # right sums, passing the whole tensor around
+            rank, world = dist.get_rank(), dist.get_world_size()
+            passing = tensor.clone()
+            for step in range(world - 1):
+                received = torch.empty_like(tensor)
+                request = dist.isend(passing, (rank + 1) % world)
+                dist.recv(received, (rank - 1) % world)
+                request.wait()
+                tensor += received
+                passing = received
+            return tensor
+        """,
+        "sends of one chunk (1/p of the tensor) each"),
+    "ring-averaged": (16, "ring-all-reduce", ring(("    return tensor",
+                                                    "    return tensor.div_(world)")),
+                      "you averaged instead of summed"),
+    "ring-no-all-gather": (16, "ring-all-reduce", ring(("    for step in range(world - 1):\n"
+                                                         "        send_index, recv_index = "
+                                                         "(rank + 1",
+                                                         "    for step in range(0):\n"
+                                                         "        send_index, recv_index = "
+                                                         "(rank + 1")),
+                           "the all-gather phase is missing"),
+    "ring-all-gather-adds": (16, "ring-all-reduce", ring((
+        "chunks[recv_index].copy_(exchange(send_index, recv_index))",
+        "chunks[recv_index] += exchange(send_index, recv_index)")),
+        "the all-gather phase added the chunks it received"),
+    "ring-index-counts-up": (16, "ring-all-reduce", ring(
+        ("(rank - step) % world, (rank - step - 1) % world",
+         "(rank + step) % world, (rank + step + 1) % world"),
+        ("(rank + 1 - step) % world, (rank - step) % world",
+         "(rank - 1 + step) % world, (rank + step) % world")),
+        "your ring sends to rank-1 (or counts the chunk index up, rank + step)"),
+    "ring-not-in-place": (16, "ring-all-reduce", ring(
+        ("chunks = list(tensor.view(-1).tensor_split(world))",
+         "tensor = tensor.clone()\n    chunks = list(tensor.view(-1).tensor_split(world))")),
+        "left the caller's tensor unchanged"),
+}
+
+
+# Both ranks block in recv before anyone sends.
+RING_DEADLOCK = ring(("request = dist.isend(chunks[send_index], right)\n"
+                      "        dist.recv(received, left)\n        request.wait()",
+                      "dist.recv(received, left)\n        dist.send(chunks[send_index], right)"))
+
+
+def test_a_deadlocked_ring_fails_in_seconds_naming_the_ranks_and_leaves_no_process(tmp_path):
+    import os
+    import time
+
+    from snippets.exercises import gang
+
+    workspace = workspace_with(tmp_path, {"ring-all-reduce": RING_DEADLOCK})
+    start = time.monotonic()
+    result = run_check(catalog.get(16), workspace)
+    took = time.monotonic() - start
+    assert result.status == "FAIL", result
+    assert took < gang.STUCK_AFTER_S + 10, took
+    learner = tmp_path / catalog.COLLECTIVES_FILE
+    line = next(n for n, text in enumerate(learner.read_text().splitlines(), 1)
+                if "dist.recv(received, left)" in text)
+    for rank in range(4):
+        assert (f"rank {rank} is stuck in recv (your collectives.py line {line}: "
+                "dist.recv(received, left))") in result.message, result.message
+    assert "every rank waits to receive and none is sending" in result.message
+    from snippets.exercises.__main__ import _report
+
+    page = (ROOT / "docs" / "exercises" / "phase-4.md").read_text()
+    assert f"```text\n{_report(result)}\n```" in page, _report(result)
+    for pid in gang.LAST_PIDS:  # killed and reaped: no process is left behind
+        assert not os.path.exists(f"/proc/{pid}"), pid
+
+
+def edited(code: str, *edits: tuple[str, str]) -> str:
+    for old, new in edits:
+        assert old in code, old
+        code = code.replace(old, new, 1)
+    return code
+
+
+def solution_section(file: str, section: str) -> str:
+    text = (ROOT / file).read_text()
+    return re.search(rf"\[start:{section}\]\n(.*?)\n# --8<-- \[end:{section}\]", text, re.S)[1]
+
+
+SAMPLER = solution_section(catalog.SAMPLER_FILE, "sampler")
+SCHEDULES = solution_section(catalog.PIPELINE_FILE, "schedules")
+PARALLEL_WRONG.update({
+    "sampler-contiguous": (17, "sampler", edited(SAMPLER, (
+        "return iter(indices[self.rank : self.total_size : self.num_replicas])",
+        "n = self.num_samples\n        return iter(indices[self.rank * n : (self.rank + 1) * n])")),
+        "a contiguous block of the permutation; DistributedSampler strides"),
+    "sampler-no-padding": (17, "sampler", edited(SAMPLER, (
+        "indices += (indices * math.ceil(padding / len(indices)))[:padding]", "pass"), (
+        "return iter(indices[self.rank : self.total_size : self.num_replicas])",
+        "return iter(indices[self.rank :: self.num_replicas])")),
+        "the ranks got different numbers of examples ([3, 3, 2, 2])"),
+    "sampler-seeded-by-rank": (17, "sampler", edited(SAMPLER, (
+        "manual_seed(self.seed + self.epoch)", "manual_seed(self.seed + self.epoch + self.rank)")),
+        "Did you seed with seed + rank"),
+    "sampler-epoch-ignored": (17, "sampler", edited(SAMPLER, (
+        "manual_seed(self.seed + self.epoch)", "manual_seed(self.seed)")),
+        "set_epoch has no effect"),
+    "1f1b-one-warmup-too-many": (18, "schedules", edited(SCHEDULES, (
+        "warmup = min(num_stages - stage_index - 1, m)", "warmup = min(num_stages - stage_index, m)")),
+        "stage s ran p - s warm-up forwards, one too many"),
+    "1f1b-warmup-reversed": (18, "schedules", edited(SCHEDULES, (
+        "warmup = min(num_stages - stage_index - 1, m)", "warmup = min(stage_index, m)")),
+        "the warm-up is counted from the wrong end"),
+    "1f1b-is-gpipe": (18, "schedules", edited(SCHEDULES, (
+        "warmup = min(num_stages - stage_index - 1, m)", "warmup = m")),
+        "that is the GPipe schedule"),
+    "1f1b-uncapped-warmup": (18, "schedules", edited(SCHEDULES, (
+        "warmup = min(num_stages - stage_index - 1, m)", "warmup = num_stages - stage_index - 1")),
+        "with fewer micro-batches than stages the warm-up is min(p - s - 1, m)"),
+    "1f1b-backward-first": (18, "schedules", edited(SCHEDULES, (
+        'actions += [("F", warmup + i), ("B", i)]', 'actions += [("B", i), ("F", warmup + i)]')),
+        "in the steady state each pair must be forward, then backward"),
+})
+
+
+F_AND_G = solution_section(catalog.TP_FILE, "f-and-g")
+LINEARS = solution_section(catalog.TP_FILE, "linears")
+G_REDUCES_ON_RANK_0_ONLY = edited(F_AND_G, (
+    "        dist.all_reduce(total, group=group)",
+    "        if dist.get_rank() == 0:\n            dist.all_reduce(total, group=group)"))
+PARALLEL_WRONG.update({
+    "tp-g-backward-all-reduces": (19, "f-and-g", edited(F_AND_G, (
+        "    def backward(ctx, grad):\n        return grad, None, None",
+        "    def backward(ctx, grad):\n        grad = grad.clone()\n"
+        "        dist.all_reduce(grad)\n        return grad, None, None")),
+        "g's backward all-reduces too"),
+    "tp-f-backward-identity": (19, "f-and-g", edited(F_AND_G, (
+        "        dist.all_reduce(grad, group=ctx.group)\n", "")),
+        "so f's backward must all-reduce"),
+    "tp-g-forward-identity": (19, "f-and-g", edited(F_AND_G, (
+        "        dist.all_reduce(total, group=group)\n", "")),
+        "g's forward must all-reduce the partial results"),
+    "tp-f-forward-all-reduces": (19, "f-and-g", edited(F_AND_G, (
+        "        return x.view_as(x)  # a new tensor object, so autograd records this node",
+        "        x = x.clone()\n        dist.all_reduce(x, group=group)\n        return x")),
+        "f's forward all-reduced x"),
+    "tp-column-splits-columns": (19, "linears", edited(LINEARS, (
+        "linear.weight.detach().chunk(size, dim=0)", "linear.weight.detach().chunk(size, dim=1)")),
+        "you split the columns (dim 1, the input features)"),
+    "tp-row-splits-rows": (19, "linears", edited(LINEARS, (
+        "linear.weight.detach().chunk(size, dim=1)", "linear.weight.detach().chunk(size, dim=0)")),
+        "you split the rows (dim 0, the output features)"),
+})
+
+
+OVERLAPPED = solution_section(catalog.DDP_SCRATCH_FILE, "overlapped")
+PARALLEL_WRONG.update({
+    "ddp-summed": (20, "overlapped", edited(OVERLAPPED, (
+        "bucket.unpack(1 / world)", "bucket.unpack(1)")),
+        "you summed instead of averaging"),
+    "ddp-no-wait": (20, "overlapped", edited(OVERLAPPED, (
+        "            work.wait()\n", "")),
+        "stepping before the handles are waited on"),
+    "ddp-reduce-at-first-hook": (20, "overlapped", edited(OVERLAPPED, (
+        "if bucket.ready == len(bucket.params):", "if bucket.ready == 1:")),
+        "reducing before all the bucket's hooks have fired"),
+    "ddp-no-reset": (20, "overlapped", edited(OVERLAPPED, (
+        "        for bucket in self.buckets:\n            bucket.ready = 0\n", "")),
+        "the first backward synchronised, the second raised"),
+})
+
+def test_a_collective_on_one_rank_in_tensor_parallel_fails_in_seconds(tmp_path):
+    import time
+
+    from snippets.exercises import gang
+
+    start = time.monotonic()
+    result = run_check(catalog.get(19), workspace_with(tmp_path, {
+        "f-and-g": G_REDUCES_ON_RANK_0_ONLY}))
+    assert result.status == "FAIL", result
+    assert time.monotonic() - start < gang.STUCK_AFTER_S + 10
+    assert "rank 0 is stuck in all_reduce (your tensor_parallel.py line" in result.message
+    assert "rank 1 finished while the others wait" in result.message, result.message
+
+def test_fresh_stubs_of_the_parallelisms_are_not_started(tmp_path):
+    write_stubs(tmp_path)
+    for number in (16, 17, 18, 19, 20):
+        ex = catalog.get(number)
+        result = run_check(ex, tmp_path)
+        assert result.status == "not started", result
+        assert result.message.startswith(f"not started yet: edit {tmp_path / ex.file} at line ")
+
+
+def test_what_each_rank_printed_comes_with_the_failure(tmp_path):
+    body = ring(("    return tensor", "    print('rank', rank, 'done')\n    return tensor / world"))
+    result = run_check(catalog.get(16), workspace_with(tmp_path, {"ring-all-reduce": body}))
+    assert result.status == "FAIL", result
+    assert "the tensor holds the sum, but ring_all_reduce did not return it" in result.message
+    for rank in range(4):
+        assert f"    rank {rank}: rank {rank} done" in result.message, result.message
+
+def test_the_named_mistake_shown_on_the_parallelisms_page_is_real(tmp_path):
+    from snippets.exercises.__main__ import _report
+
+    number, section, body, _ = PARALLEL_WRONG["ring-sends-left"]
+    report = _report(run_check(catalog.get(number), workspace_with(tmp_path, {section: body})))
+    page = (ROOT / "docs" / "exercises" / "phase-4.md").read_text()
+    assert f"```text\n{report}\n```" in page, report
+
+@pytest.mark.parametrize("case", sorted(PARALLEL_WRONG))
+def test_parallel_check_names_a_planted_mistake(case, tmp_path):
+    number, section, body, explanation = PARALLEL_WRONG[case]
+    result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
+    assert result.status == "FAIL", result
+    assert explanation in result.message, result.message

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -26,7 +27,9 @@ def cmd_list(args) -> int:
     for ex in catalog.EXERCISES:
         if ex.phase != phase:
             phase = ex.phase
-            print(f"{'' if ex.number == 1 else chr(10)}Phase {phase}: {ex.file}")
+            files = {e.file for e in catalog.EXERCISES if e.phase == phase}
+            where = ex.file if len(files) == 1 else os.path.commonpath(sorted(files)) + "/"
+            print(f"{'' if ex.number == 1 else chr(10)}Phase {phase}: {where}")
         status = "available" if ex.available else f"not yet: comes with {ex.arrives_with}"
         print(f"  {ex.number:>2}  {ex.title:<56} {status}")
     return 0
@@ -51,7 +54,8 @@ def cmd_hints(args) -> int:
 def cmd_stubs(args) -> int:
     out = Path(args.out)
     for w in write_stubs(out, force=args.force):
-        numbers = f"exercises {w.exercises[0]}-{w.exercises[-1]}"
+        numbers = (f"exercise {w.exercises[0]}" if len(w.exercises) == 1
+                   else f"exercises {w.exercises[0]}-{w.exercises[-1]}")
         if w.action == "skipped":
             print(f"skipped {w.path} ({numbers}): it differs from a fresh stub, so it holds your "
                   "work; --force replaces it and keeps the old file as "

@@ -3,8 +3,11 @@
 An exercise is a section of a real module, between `# --8<-- [start:exercise-N]` and
 `# --8<-- [end:exercise-N]` (one exercise may own several sections, like 11's save and load).
 The stub generator blanks those sections out of a copy of the module; the checker imports the
-learner's copy and runs the function named in `check` from snippets/exercises/checks.py; the
-exercise pages include the same sections as the solutions. So adding an exercise is adding an
+learner's copy and runs the function named in `check` from snippets/exercises/checks.py (or, for
+the parallelisms, checks_parallel.py); the exercise pages include the same sections as the
+solutions. Where a section holds more than the exercise (the course's from-scratch modules,
+whose sections the lessons include), `blank` names the functions whose bodies are blanked
+instead, signatures and docstrings kept. So adding an exercise is adding an
 entry here, its sections in the module, and its check function: nothing else has to change.
 
 An exercise is *available* once its file, every one of its sections and its check exist; until
@@ -18,6 +21,9 @@ from functools import cached_property
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+# The modules that hold the check functions: the model and trainer checks, then the checks of
+# the parallelisms (which run the learner's code on several processes).
+CHECK_MODULES = ("checks.py", "checks_parallel.py")
 
 
 @dataclass(frozen=True)
@@ -30,10 +36,13 @@ class Exercise:
     concept: str
     difficulty: str
     hints: tuple[str, ...]
-    check: str  # name of the function in snippets.exercises.checks
+    check: str  # name of the function in one of CHECK_MODULES
     phase: int
     depends_on: tuple[int, ...] = ()
     arrives_with: str = ""  # where the solution module comes from, while it does not exist yet
+    # The functions (`name` or `Class.method`) whose bodies the learner writes, when the
+    # sections hold more than the exercise: the stub keeps their signatures and docstrings.
+    blank: tuple[str, ...] = ()
 
     @property
     def solution_path(self) -> Path:
@@ -42,16 +51,23 @@ class Exercise:
     @cached_property
     def available(self) -> bool:
         # Read, not imported: `list`, `hints` and `stubs` then start without importing torch.
-        checks = (Path(__file__).parent / "checks.py").read_text(encoding="utf-8")
+        checks = "".join((Path(__file__).parent / name).read_text(encoding="utf-8")
+                         for name in CHECK_MODULES)
         if not self.solution_path.is_file() or f"\ndef {self.check}(" not in checks:
             return False
         text = self.solution_path.read_text(encoding="utf-8")
-        return all(f"[start:{s}]" in text and f"[end:{s}]" in text for s in self.sections)
+        return (all(f"[start:{s}]" in text and f"[end:{s}]" in text for s in self.sections)
+                and all(f"def {name.rpartition('.')[2]}(" in text for name in self.blank))
 
 
 GPT_FILE = "snippets/models/gpt.py"
 DDP_FILE = "snippets/training/ddp_trainer.py"
 FSDP_FILE = "snippets/training/fsdp_trainer.py"
+COLLECTIVES_FILE = "snippets/scratch/collectives.py"
+SAMPLER_FILE = "snippets/scratch/sampler.py"
+PIPELINE_FILE = "snippets/scratch/pipeline.py"
+TP_FILE = "snippets/scratch/tensor_parallel.py"
+DDP_SCRATCH_FILE = "snippets/scratch/ddp.py"
 
 EXERCISES: tuple[Exercise, ...] = (
     # ------------------------------------------------------------ phase 1: the model
@@ -330,6 +346,126 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(12, 13, 14),
         check="check_fsdp_checkpoint",
+    ),
+    # ------------------------------------------------------------ phase 4: the parallelisms
+    # Each exercise is a function of the course's from-scratch modules (snippets/scratch/):
+    # the stub keeps its signature and docstring and blanks its body. The checks run it on
+    # gloo processes where it communicates (snippets/exercises/checks_parallel.py).
+    Exercise(
+        number=16, title="ring_all_reduce (collectives.py)", file=COLLECTIVES_FILE,
+        sections=("ring-all-reduce",), blank=("ring_all_reduce",), phase=4,
+        task="sum tensor over all ranks, in place, with send/recv to the ring neighbours only: "
+             "a reduce-scatter phase of world-1 steps, then an all-gather phase of world-1 steps",
+        concept="Ring all-reduce, what NCCL does for dist.all_reduce (Week 1)",
+        difficulty="Medium (15-20 lines)",
+        hints=(
+            "chunks = list(tensor.view(-1).tensor_split(world)): views, so writing a chunk "
+            "writes the tensor; send to right = (rank + 1) % world, receive from left = "
+            "(rank - 1) % world",
+            "every step sends one chunk right and receives one from the left: start the send "
+            "with dist.isend, then dist.recv into a fresh buffer, then wait on the send. If "
+            "every rank calls a blocking recv first, no one is sending: a deadlock",
+            "reduce-scatter, world-1 steps: at step s send chunk (rank - s) % world and ADD the "
+            "received chunk into chunk (rank - s - 1) % world",
+            "all-gather, world-1 steps: at step s send chunk (rank + 1 - s) % world and COPY "
+            "the received chunk into chunk (rank - s) % world; return tensor",
+        ),
+        check="check_ring_all_reduce",
+    ),
+    Exercise(
+        number=17, title="ShardedSampler (sampler.py)", file=SAMPLER_FILE,
+        sections=("sampler",), blank=("ShardedSampler.__init__", "ShardedSampler.__iter__"),
+        phase=4,
+        task="give rank `rank` of `num_replicas` its share of the dataset's indices, index for "
+             "index as torch's DistributedSampler: one permutation shared by every rank, padded "
+             "(or trimmed with drop_last) to a multiple of num_replicas, then strided",
+        concept="Data sharding: which examples each rank trains on, epoch by epoch (Week 1)",
+        difficulty="Easy-Medium (15 lines)",
+        hints=(
+            "__init__ keeps its arguments and sets self.epoch = 0, self.num_samples (what "
+            "__len__ returns) and self.total_size = self.num_samples * num_replicas",
+            "every rank must get the same number of examples, or one leaves its epoch early "
+            "and the others wait for it in the all-reduce: num_samples = ceil(n / replicas), "
+            "or n // replicas with drop_last",
+            "shuffle: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + "
+            "self.epoch)).tolist(); the same seed on every rank means one permutation, and "
+            "the epoch in the seed makes set_epoch reshuffle",
+            "pad by repeating indices from the start until total_size (or cut to total_size "
+            "with drop_last), then take indices[self.rank:self.total_size:self.num_replicas]",
+        ),
+        check="check_sampler",
+    ),
+    Exercise(
+        number=18, title="one_f_one_b_schedule (pipeline.py)", file=PIPELINE_FILE,
+        sections=("schedules",), blank=("one_f_one_b_schedule",), phase=4,
+        task="return stage_index's list of actions, ('F', i) and ('B', i), in 1F1B order: "
+             "warm-up forwards, then one forward and one backward in turn, then the last "
+             "backwards",
+        concept="Pipeline schedules: the 1F1B order and its memory (Week 3)",
+        difficulty="Medium (6-8 lines)",
+        hints=(
+            "gpipe_schedule above returns the same kind of list: all forwards, then all "
+            "backwards",
+            "warm-up: stage s of p runs min(p - s - 1, m) forwards before its first backward; "
+            "the last stage none, the first the most (its first gradient comes back last)",
+            "steady state: for i in range(m - warmup), ('F', warmup + i) then ('B', i)",
+            "cool-down: the backwards still owed, ('B', i) for i in range(m - warmup, m)",
+        ),
+        check="check_one_f_one_b",
+    ),
+    Exercise(
+        number=19, title="f, g and the parallel linears (tensor_parallel.py)", file=TP_FILE,
+        sections=("f-and-g", "linears"),
+        blank=("EnterTensorParallel.forward", "EnterTensorParallel.backward",
+               "LeaveTensorParallel.forward", "LeaveTensorParallel.backward",
+               "ColumnParallelLinear.__init__", "ColumnParallelLinear.forward",
+               "RowParallelLinear.__init__", "RowParallelLinear.forward"),
+        phase=4,
+        task="f: identity forward, all-reduce of the gradient backward; g: all-reduce forward, "
+             "identity backward; a column-parallel linear keeps a block of W's rows, a "
+             "row-parallel one a block of W's columns and leaves the region through g",
+        concept="Tensor parallelism (Megatron-LM): one all-reduce per direction (Week 4)",
+        difficulty="Medium (about 20 lines in 8 short methods)",
+        hints=(
+            "rank, size = _tp_rank_and_size(group); column-parallel: self.weight = "
+            "nn.Parameter(linear.weight.detach().chunk(size, dim=0)[rank].clone()), rows = "
+            "output features; row-parallel: chunk(size, dim=1), columns = input features",
+            "ColumnParallelLinear.forward is F.linear(x, self.weight), no communication; "
+            "RowParallelLinear.forward is LeaveTensorParallel.apply(F.linear(x_shard, "
+            "self.weight), self.group, self.stats)",
+            "g (LeaveTensorParallel) sums the ranks' partial results in forward: all-reduce a "
+            "clone (never modify a forward input in place), stats.record('forward', it) first; "
+            "its backward returns grad, None, None: the sum's gradient is the same for every "
+            "term",
+            "f (EnterTensorParallel) returns x.view_as(x) in forward (keep group and stats on "
+            "ctx); in backward each rank's gradient covers its slice only: record, then "
+            "all-reduce a clone of grad and return it, None, None",
+        ),
+        check="check_tensor_parallel",
+    ),
+    Exercise(
+        number=20, title="OverlappedDDP's hooks (ddp.py)", file=DDP_SCRATCH_FILE,
+        sections=("overlapped",), blank=("OverlappedDDP._make_hook", "OverlappedDDP._finish"),
+        phase=4,
+        task="from each parameter's post-accumulate-grad hook, launch its bucket's async "
+             "all-reduce when the bucket's last gradient arrives; when backward ends, wait on "
+             "every handle, unpack the averages, and reset for the next backward",
+        concept="Bucketed DDP overlapping communication with backward (Week 1)",
+        difficulty="Medium-Hard (about 25 lines)",
+        hints=(
+            "_make_hook returns hook(param): return at once when not self.require_sync "
+            "(inside no_sync); on the first gradient of a backward, queue self._finish with "
+            "torch.autograd.Variable._execution_engine.queue_callback and set "
+            "self.callback_queued",
+            "bucket.ready += 1; when it equals len(bucket.params), bucket.pack() and append "
+            "(bucket, dist.all_reduce(bucket.buffer, async_op=True)) to self.pending. Earlier, "
+            "some of the bucket's gradients do not exist yet",
+            "_finish: work.wait() for each pending handle BEFORE bucket.unpack(1 / world): "
+            "the all-reduce sums, each rank's loss was a mean over its own examples",
+            "then reset: bucket.ready = 0 for every bucket, self.pending = [], "
+            "self.callback_queued = False; or the next backward never fills a bucket",
+        ),
+        check="check_overlapped_ddp",
     ),
 )
 

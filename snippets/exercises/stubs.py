@@ -8,6 +8,7 @@ that names the exercise, its hints and the command that checks it.
 
 from __future__ import annotations
 
+import ast
 import re
 import shutil
 from dataclasses import dataclass
@@ -59,8 +60,43 @@ def stub_lines(exercise: Exercise, indent: str, width: int = 96) -> list[str]:
     ]
 
 
+def blank_bodies(source: str, exercises: list[Exercise]) -> str:
+    """source with the bodies of the exercises' `blank` functions replaced by their stubs.
+
+    For a section that holds more than the exercise (a whole class, two functions), the
+    exercise names the functions to write (`Class.method` or `function`): their signatures and
+    docstrings stay, so the learner sees what each must do."""
+    lines = source.splitlines(keepends=True)
+    bodies = []  # (first line, last line, indent, exercise), 1-based, inclusive
+
+    def visit(node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                for ex in exercises:
+                    if isinstance(child, ast.FunctionDef) and name in ex.blank:
+                        body = child.body
+                        if (len(body) > 1 and isinstance(body[0], ast.Expr)
+                                and isinstance(body[0].value, ast.Constant)
+                                and isinstance(body[0].value.value, str)):
+                            body = body[1:]  # keep the docstring
+                        indent = " " * body[0].col_offset
+                        bodies.append((body[0].lineno, child.end_lineno, indent, ex, name))
+                visit(child, name + ".")
+
+    visit(ast.parse(source), "")
+    missing = {n for ex in exercises for n in ex.blank} - {b[4] for b in bodies}
+    if missing:
+        raise ValueError(f"functions not found: {', '.join(sorted(missing))}")
+    for first, last, indent, ex, _ in sorted(bodies, key=lambda b: b[0], reverse=True):
+        lines[first - 1:last] = stub_lines(ex, indent)
+    return "".join(lines)
+
+
 def make_stub(source: str, exercises: list[Exercise]) -> str:
     """source with the sections of the given exercises replaced by their stubs."""
+    source = blank_bodies(source, [ex for ex in exercises if ex.blank])
+    exercises = [ex for ex in exercises if not ex.blank]
     owner = {section: ex for ex in exercises for section in ex.sections}
     out: list[str] = []
     inside: str | None = None

@@ -1,0 +1,230 @@
+"""Run a learner's code on several gloo processes, with a hard time limit and no leftovers.
+
+`run_ranks(path, worker, world)` starts `world` processes, joins them in one gloo group, imports
+the learner's file (by path) in each, and calls `worker(learner, rank, world, *args)`. It returns
+each rank's value, or raises `Stuck` / `RankFailed` with a message the learner can act on:
+
+- every process arms `faulthandler.dump_traceback_later(stuck_after_s, exit=True)`: a rank still
+  running then writes where it is (its Python stack) and exits by itself;
+- a rank that has finished writes its result and waits (so a peer stuck waiting for it stays
+  stuck, instead of failing with "Connection closed");
+- the parent waits until every rank has a result, or at most stuck_after_s + a margin, then
+  kills whatever is left and waits for it, so no process outlives the check;
+- from the stacks, `Stuck` names each waiting rank, the torch.distributed call it is in, the line
+  of the learner's file that made it, and the likely cause.
+
+What each rank printed is kept (per rank) and shown with a failure.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib.util
+import multiprocessing as mp
+import os
+import pickle
+import re
+import sys
+import tempfile
+import time
+import traceback
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+STUCK_AFTER_S = 5.0  # a rank whose worker has not finished by then is taken to be stuck
+STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
+LAST_PIDS: list[int] = []  # the processes of the last run, for the test that none survives
+LAST_PRINTED: list[str] = []  # what each rank of the last run printed
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
+
+
+class RankFailed(Exception):
+    """A rank raised; the message names the rank, the error and the learner's line."""
+
+
+class Stuck(Exception):
+    """Some rank did not finish in time; the message says where each one waits, and why."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _load(path: Path):
+    spec = importlib.util.spec_from_file_location(f"_learner_{os.getpid()}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _describe(err: BaseException, path: Path) -> str:
+    text = f"{type(err).__name__}: {err}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if Path(f.filename).resolve() == path.resolve()]
+    if frames:
+        f = frames[-1]
+        text += f"\n  at {path} line {f.lineno}, in {f.name}: {(f.line or '').strip()}"
+    return text
+
+
+def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    log = open(f"{out}/rank{rank}.out", "w", buffering=1)  # noqa: SIM115
+    os.dup2(log.fileno(), 1)  # C++ writes too: gloo's "Received data size doesn't match"
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    stack = open(f"{out}/rank{rank}.stack", "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(STARTUP_S, exit=True, file=stack)
+    path = Path(path)
+    try:
+        # gloo's own timeout is far longer than ours: our watchdog reports first, with a stack.
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=STARTUP_S + 10 * stuck_after_s))
+        learner = _load(path)
+        # The worker's time starts now: a slow start (imports, a busy machine) is no deadlock.
+        faulthandler.dump_traceback_later(stuck_after_s, exit=True, file=stack)
+        result = ("ok", worker(learner, rank, world, *args))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
+        result = ("error", _describe(err, path))
+        # Where it was, as faulthandler writes it: a rank whose stuck peer exited gets
+        # "Connection closed by peer" in the same call; the parent then reports it as stuck.
+        frames = traceback.extract_tb(err.__traceback__)
+        Path(f"{out}/rank{rank}.raised").write_text("".join(
+            f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in reversed(frames)))
+    faulthandler.cancel_dump_traceback_later()
+    Path(f"{out}/rank{rank}.tmp").write_bytes(pickle.dumps(result))
+    os.replace(f"{out}/rank{rank}.tmp", f"{out}/rank{rank}.pkl")
+    # Stay alive until the parent has every rank's result and kills us: exiting now would
+    # close our connections, and a peer stuck waiting for us would see "Connection closed"
+    # instead of staying where it is stuck, for the watchdog to report.
+    sys.stdout.flush()
+    time.sleep(stuck_after_s + 5)  # past the parent's deadline: never an orphan for long
+    os._exit(0)
+
+
+def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float = STUCK_AFTER_S):
+    """worker(learner, rank, world, *args) on `world` gloo processes; their values in rank
+    order. worker must be a module-level function (it is pickled by name)."""
+    ctx = mp.get_context("forkserver")
+    # As snippets.dist.spawn: the server imports these once, and each rank is forked from it
+    # in milliseconds (the first backward imports symbolic_shapes: seconds of CPU per rank).
+    ctx.set_forkserver_preload(["torch", "torch.distributed",
+                                "torch.fx.experimental.symbolic_shapes",
+                                "snippets.exercises.checks_parallel"])
+    with tempfile.TemporaryDirectory() as out:
+        port = _free_port()
+        procs = [ctx.Process(target=_rank_main, daemon=True,
+                             args=(r, world, port, str(path), worker, args, out, stuck_after_s))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        LAST_PIDS[:] = [p.pid for p in procs]
+        # Every rank has a result or has exited (a stuck one dumps its stack and exits by
+        # itself) well before this deadline; it only guards against a rank that cannot.
+        deadline = time.monotonic() + STARTUP_S + stuck_after_s + 3
+        results = [Path(out, f"rank{r}.pkl") for r in range(world)]
+        while (not all(f.is_file() or not p.is_alive() for f, p in zip(results, procs))
+               and time.monotonic() < deadline):
+            time.sleep(0.02)
+        time.sleep(0.05)  # a rank that dumped its stack and exited: let the file be complete
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join()
+        codes = [p.exitcode for p in procs]
+        files = {kind: [Path(out, f"rank{r}.{kind}") for r in range(world)]
+                 for kind in ("pkl", "out", "stack")}
+        results = [pickle.loads(f.read_bytes()) if f.is_file() else None
+                   for f in files["pkl"]]  # written by our own child process
+        printed = [f.read_text() if f.is_file() else "" for f in files["out"]]
+        stacks = [f.read_text() if f.is_file() else "" for f in files["stack"]]
+        raised = [Path(out, f"rank{r}.raised") for r in range(world)]
+        raised = [f.read_text() if f.is_file() else "" for f in raised]
+
+    LAST_PRINTED[:] = printed
+    shown = printed_by_rank(printed)
+    crashed = [r for r, res in enumerate(results)
+               if res is None and not stacks[r].strip() and codes[r] not in (0, None, -9)]
+    if crashed:
+        rank = crashed[0]
+        last = (printed[rank].strip().splitlines() or ["(nothing)"])[-1].strip()
+        cause = ""
+        if "size doesn't match" in last:
+            cause = ("\n  Likely cause: a send and its recv have different sizes: the two "
+                     "ranks disagree on which piece travels at this step")
+        raise RankFailed(f"on {world} processes, rank {rank} crashed (exit code "
+                         f"{codes[rank]}) saying: {last}{cause}{shown}")
+    if any(stack.startswith("Timeout") for stack in stacks):  # the watchdog fired
+        for r, res in enumerate(results):
+            if res and res[0] == "error" and "Connection closed by peer" in res[1]:
+                results[r], stacks[r] = None, raised[r]  # it was waiting too
+        raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
+    errors = [(r, res[1]) for r, res in enumerate(results) if res and res[0] == "error"]
+    if errors:
+        rank, text = errors[0]
+        raise RankFailed(f"on {world} processes, rank {rank} raised {text}{shown}")
+    if any(res is None for res in results):
+        raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
+    return [res[1] for res in results]
+
+
+def printed_by_rank(printed: list[str]) -> str:
+    lines = [f"    rank {r}: {line}" for r, text in enumerate(printed)
+             for line in text.strip().splitlines()[:5]]
+    return "\n  your code printed:\n" + "\n".join(lines) if lines else ""
+
+
+def where_stuck(stack: str, path: Path) -> tuple[str, str]:
+    """(the torch.distributed call, 'line N: code' in the learner's file) from a faulthandler
+    dump of the main thread, most recent call first."""
+    frames = [m for m in map(_FRAME.match, stack.splitlines()) if m]
+    path = str(Path(path).resolve())
+    mine = next((i for i, m in enumerate(frames) if str(Path(m["file"]).resolve()) == path), None)
+    if mine is None:  # outside the learner's code: say where
+        return (frames[0]["name"] if frames else ""), "not in your file"
+    line = int(frames[mine]["line"])
+    code = Path(path).read_text().splitlines()[line - 1].strip()
+    calls = [m["name"] for m in frames[:mine]
+             if "torch/distributed" in m["file"] and not m["name"].startswith("_")
+             and m["name"] != "wrapper"]
+    op = calls[-1] if calls else (re.findall(r"\.(\w+)\(", code) or [""])[-1]
+    return op, f"line {line}: {code}"
+
+
+def _stuck_message(path, results, stacks, stuck_after_s) -> str:
+    done = [r for r, res in enumerate(results) if res is not None]
+    waiting = [r for r, res in enumerate(results) if res is None]
+    lines, ops = [], set()
+    for r in waiting:
+        op, where = where_stuck(stacks[r], path)
+        ops.add(op)
+        lines.append(f"rank {r} is stuck in {op or 'your code'}"
+                     + (f" ({where})" if where == "not in your file" else
+                        f" (your {Path(path).name} {where})" if where else ""))
+    head = (f"a deadlock: after {stuck_after_s:.0f} s these ranks are still waiting\n  "
+            + "\n  ".join(lines))
+    if done:
+        cause = (f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished "
+                 "while the others wait: a collective or a send/recv that only some ranks "
+                 "call. Every rank must call every collective, in the same order, and every "
+                 "send needs the matching recv on the peer")
+    elif ops <= {"recv", "irecv", "wait"}:
+        cause = ("every rank waits to receive and none is sending: a blocking dist.recv "
+                 "before the send on every rank. Post the send first with dist.isend, then "
+                 "recv, then wait on the send's request")
+    elif ops <= {"send"}:
+        cause = ("every rank is blocked sending and none is receiving: send with dist.isend, "
+                 "then recv, then wait on the send's request")
+    else:
+        cause = ("the ranks wait for each other: check that every send has its recv on the "
+                 "peer and that every rank calls the same collectives in the same order")
+    return f"{head}.\n  Likely cause: {cause}"
