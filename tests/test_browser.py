@@ -210,7 +210,8 @@ def test_calculator_runs_the_python_cost_model_offline(browser_page, site_url):
 # pipeline schedule. Layouts: (model, cluster, every form field). One fits, one does not, and
 # pipelines: 1F1B, GPipe, interleaved, and m > 16 (the drawing stops at 16 micro-batches).
 H100 = "H100 SXM, 8 per node, InfiniBand 400 Gb/s"
-FORM_DEFAULTS = dict(dp=8, tp=1, pp=1, virtual_stages=1, cp=1, cp_overlap=True, sp=False,
+FORM_DEFAULTS = dict(dp=8, tp=1, pp=1, virtual_stages=1, cp=1, cp_overlap=True, sp=False, ep=1,
+                     ep_overlap=False,
                      zero_stage=1, precision="bf16", recompute="none", micro_batch_size=1,
                      micro_batches=8, seq_len=2048, schedule="1f1b", mfu=0.4,
                      flops="matmuls+attention")
@@ -227,6 +228,8 @@ CHART_LAYOUTS = [
     # The 1000-GPU page's layout: TP 8 with SP x DP 128 fits in 80 GB here as in the Python
     # (tests/test_planner_published.py asserts the Python's side).
     ("llama-70b", H100, dict(dp=128, tp=8, micro_batches=8, seq_len=4096, sp=True)),
+    # An MoE model with its experts split 8 ways and the all-to-alls overlapped.
+    ("deepseek-v3", H100, dict(dp=64, ep=8, seq_len=4096, recompute="full", ep_overlap=True)),
 ]
 
 
@@ -277,6 +280,12 @@ def check_calculator_charts(page, model, cluster, overrides):
     caption = page.inner_text(".planner-memory figcaption")
     assert ("over capacity" in caption) == over, (where, caption)
     assert bar.locator("title").count() >= 1 and bar.get_attribute("role") == "img"
+    # The table's times, as the page prints them (ms to 2 decimals, or s to 3).
+    for key in ("expert_parallel", "step"):
+        shown = page.inner_text(f"[data-out='{key}']").split(" (")[0]
+        number, unit = shown.split()
+        assert float(number) * (1e-3 if unit == "ms" else 1) == pytest.approx(
+            expected["time_s"][key], abs=5e-6 if unit == "ms" else 5e-4), (where, key, shown)
 
     # Schedule: only with a pipeline.
     schedule = page.locator(".planner-schedule svg")
