@@ -44,14 +44,17 @@ serve: $(STAMP)
 build: $(STAMP)
 	LESSON_CACHE=false $(VENV)/bin/mkdocs build --strict
 
-# Two pytest workers: many tests wait on process start-up and rendezvous rather than compute, so
-# two run side by side on 2 cores. --dist loadfile keeps each file (a page's blocks build on each
-# other) on one worker, in order; the built site is shared between them (tests/conftest.py).
+# Three pytest workers on 2 cores: many tests wait on process start-up and rendezvous rather than
+# compute, so a third keeps both cores busy. Each worker, and every process it starts, uses one
+# intra-op thread (OMP_NUM_THREADS=1): three processes with two spinning OpenMP threads each on 2
+# cores slow everything down. The pages' printed numbers do not depend on the thread count (the
+# suite checks them with this setting). --dist loadfile keeps each file (a page's blocks build on
+# each other) on one worker, in order; the built site is shared between them (tests/conftest.py).
 # TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
+TEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda
@@ -61,5 +64,6 @@ bench: $(STAMP)
 	# to AVX2 elsewhere, so printed numbers match on every x86-64 machine).
 	COURSE_NATIVE_KERNELS=1 $(PY) -m snippets.bench --out bench.json
 
+# Build output and caches only: runs/ and logs/ hold the learner's training runs.
 clean:
-	rm -rf site .cache .pytest_cache runs logs
+	rm -rf site .cache .pytest_cache
