@@ -29,16 +29,18 @@ def test_profile_reports_every_phase_and_the_top_operators(tmp_path, capsys):
     ops = summary["top_ops"]
     assert len(ops) == 5 and all(op["name"] not in profile_step.PHASES for op in ops)
     assert [op["share"] for op in ops] == sorted((op["share"] for op in ops), reverse=True)
-    # Every linear layer is a matmul: 2 layers x 7 + lm_head = 15 in forward, twice that in
-    # backward (the input's and the weight's gradient).
-    mm = next(op for op in summary["top_ops"] if op["name"] == "aten::mm")
-    assert mm["calls_per_step"] == 45
 
     out = capsys.readouterr().out
     assert "Self CPU %" in out and "share of step time: data" in out
     assert "top operators by self CPU time" in out and f"wrote {trace}" in out
-    names = {event.get("name") for event in json.loads(trace.read_text())["traceEvents"]}
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {event.get("name") for event in events}
     assert {"data", "forward", "backward", "optimizer", "aten::mm"} <= names
+    # Every linear layer is a matmul: 2 layers x 7 + lm_head = 15 in forward, twice that in
+    # backward (the input's and the weight's gradient). Counted in the trace, not among the top
+    # operators: which operators take the most time depends on the machine and its load.
+    mm_calls = sum(e.get("name") == "aten::mm" and e.get("ph") == "X" for e in events)
+    assert mm_calls == 45 * 2, mm_calls  # FAST profiles 2 steps
 
 
 def test_profile_options_add_shapes_and_memory_columns(capsys):
