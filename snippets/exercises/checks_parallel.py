@@ -416,7 +416,7 @@ def _tp_setup():
 def _tp_worker(learner, rank: int, world: int) -> dict:
     import torch.nn.functional as F
 
-    from snippets.exercises.gang import _describe
+    from snippets.exercises.runner import _describe
 
     up, down, x, weights = _tp_setup()
     x.requires_grad_(True)
@@ -557,7 +557,7 @@ def _ddp_worker(learner, rank: int, world: int) -> dict:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from snippets.exercises.gang import _describe
+    from snippets.exercises.runner import _describe
 
     handles, all_reduce = [], dist.all_reduce
 

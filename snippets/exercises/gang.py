@@ -34,6 +34,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from snippets.exercises.runner import _describe
+
 STUCK_AFTER_S = 5.0  # a rank whose worker has not finished by then is taken to be stuck
 STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
 LAST_PIDS: list[int] = []  # the processes of the last run, for the test that none survives
@@ -63,16 +65,6 @@ def _load(path: Path):
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
-
-
-def _describe(err: BaseException, path: Path) -> str:
-    text = f"{type(err).__name__}: {err}"
-    frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if Path(f.filename).resolve() == path.resolve()]
-    if frames:
-        f = frames[-1]
-        text += f"\n  at {path} line {f.lineno}, in {f.name}: {(f.line or '').strip()}"
-    return text
 
 
 def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
