@@ -255,16 +255,24 @@ def fences(text: str) -> int:
 
 @functools.cache
 def site_markdown():
-    """Python-Markdown with the site's own extensions and settings (mkdocs.yml)."""
+    """Python-Markdown with the site's own extensions and settings (mkdocs.yml's
+    markdown_extensions, after the three MkDocs always adds). Read from the YAML alone:
+    mkdocs' load_config would also import every plugin and hook (Jupyter, the planner), 2-5 s
+    in each pytest process, for nothing the Markdown needs."""
     import markdown
-    from mkdocs.config import load_config
+    from mkdocs.utils.yaml import yaml_load
 
-    config = load_config(str(ROOT / "mkdocs.yml"))
-    configs = dict(config["mdx_configs"])
-    snippets = dict(configs.get("pymdownx.snippets", {}))
+    with open(ROOT / "mkdocs.yml", encoding="utf-8") as f:
+        listed = yaml_load(f)["markdown_extensions"]
+    names, configs = ["toc", "tables", "fenced_code"], {}
+    for item in listed:
+        name, config = next(iter(item.items())) if isinstance(item, dict) else (item, None)
+        if name not in names:
+            names.append(name)
+        configs[name] = dict(config or {})
+    snippets = configs.setdefault("pymdownx.snippets", {})
     snippets["base_path"] = [str(ROOT / p) for p in snippets.get("base_path", ["."])]
-    configs["pymdownx.snippets"] = snippets
-    return markdown.Markdown(extensions=config["markdown_extensions"], extension_configs=configs)
+    return markdown.Markdown(extensions=names, extension_configs=configs)
 
 
 def check_rendered_code(text: str, where):
