@@ -50,11 +50,12 @@ build: $(STAMP)
 # cores slow everything down. The pages' printed numbers do not depend on the thread count (the
 # suite checks them with this setting). --dist loadfile keeps each file (a page's blocks build on
 # each other) on one worker, in order; the built site is shared between them (tests/conftest.py).
+# --no-loadscope-reorder keeps the suite's own order, longest files first (tests/schedule.py).
 # TEST_WORKERS=0 runs everything in one process.
 TEST_WORKERS ?= 3
 
 test: $(STAMP)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda

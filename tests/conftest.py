@@ -64,3 +64,37 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first, so the last minutes are not one long file on one worker
+    (tests/schedule.py; `make test` passes --no-loadscope-reorder to keep this order)."""
+    from tests.schedule import longest_first
+
+    longest_first(items)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With SUITE_CPU_LOG=dir, each worker appends every test's CPU seconds (its own and its
+    finished child processes') and wall seconds to dir/<worker>.tsv: where the suite's CPU goes,
+    which the wall-clock durations of a parallel run do not show."""
+    folder = os.environ.get("SUITE_CPU_LOG")
+    if not folder:
+        yield
+        return
+    import resource
+    import time
+
+    def cpu() -> float:
+        own, kids = (resource.getrusage(who) for who in
+                     (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+        return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
+
+    start_cpu, start_wall = cpu(), time.monotonic()
+    yield
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    with open(Path(folder) / f"{worker}.tsv", "a") as log:
+        log.write(f"{item.nodeid}\t{cpu() - start_cpu:.2f}\t{time.monotonic() - start_wall:.2f}\t"
+                  f"{time.time():.1f}\n")
