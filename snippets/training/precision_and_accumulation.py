@@ -29,6 +29,7 @@ from snippets.machine import cpu_bf16_features, cpu_model
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes
 from snippets.scratch.precision import DynamicLossScaler
+from snippets.training.flags import Parser, int_at_least
 
 
 # --8<-- [start:timing]
@@ -39,9 +40,10 @@ def median_seconds(candidates: dict, repeats: int = 5, warmup: int = 1,
 
     The default clock is this process's CPU time: on a shared machine, time spent waiting for
     a core is nobody's kernel. With one thread and an idle machine it equals wall-clock time.
-    With `budget_s`, the rounds stop after 3 once they have taken longer than that: a CPU
-    without bf16 instructions emulates bf16 10-100x slower than fp32, and a median of 3 shows
-    that as well as a median of 15 would, in seconds instead of minutes."""
+    With `budget_s`, the rounds stop as soon as they have taken longer than that in all
+    (warm-up included), after at least one measured round: a CPU without bf16 instructions
+    emulates bf16 10-100x slower than fp32, a gap one round shows as well as fifteen, in
+    seconds instead of minutes."""
     times = {name: [] for name in candidates}
     spent = 0.0
     for round_index in range(warmup + repeats):
@@ -52,7 +54,7 @@ def median_seconds(candidates: dict, repeats: int = 5, warmup: int = 1,
             spent += elapsed
             if round_index >= warmup:  # the first calls allocate memory and pick kernels
                 times[name].append(elapsed)
-        if budget_s is not None and round_index + 1 - warmup >= 3 and spent > budget_s:
+        if budget_s is not None and round_index >= warmup and spent > budget_s:
             break
     return {name: statistics.median(t) for name, t in times.items()}
 # --8<-- [end:timing]
@@ -350,7 +352,7 @@ def mib(n_bytes: float) -> str:
 
 def print_autocast() -> None:
     print("== 1. bf16 autocast vs fp32: forward + backward of one batch (median of 5 rounds; "
-          "of 3 where 3 take over 5 s) ==")
+          "fewer where they take over 5 s) ==")
     print(f"{'config':<8} {'params':>10} {'tokens':>7} {'fp32 ms':>8} {'bf16 ms':>8} "
           f"{'bf16 speed-up':>14}")
     for r in autocast_speed():
@@ -447,10 +449,10 @@ TIMED_PARTS = {"autocast", "optimizer", "compile"}
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("parts", nargs="*", metavar="part",
                    help=f"any of {', '.join(PARTS)} (default: all but compile)")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int_at_least(1), default=1)
     args = p.parse_args(argv)
     unknown = [part for part in args.parts if part not in PARTS]
     if unknown:
