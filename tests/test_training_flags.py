@@ -76,3 +76,37 @@ def test_good_flags_parse(monkeypatch):
     assert train_tiny_transformer.parse_args(["--max-steps", "1", "--threads", "0"]).threads == 0
     assert ddp_trainer.parse_args(["--grad_clip", "0"]).grad_clip == 0  # 0 = no clipping
 
+
+
+SCRIPTS = [
+    # (module, argv, the one line after "<prog>: error: ") for the lesson scripts beside the trainers
+    ("snippets.debugging.out_of_memory", ["--micro-batches", "8", "0"],
+     "argument --micro-batches: must be a whole number >= 1, got 0"),
+    ("snippets.cluster.node_ranks", ["--nnodes", "0"],
+     "argument --nnodes: must be a whole number >= 1, got 0"),
+    ("snippets.cluster.ranked_checkpoint", ["save", "--world-size", "0"],
+     "argument --world-size: must be a whole number >= 1, got 0"),
+    ("snippets.cluster.coordination", ["--timeout", "0"],
+     "argument --timeout: must be a number > 0, got 0"),
+    ("snippets.cluster.coordination", ["--missing-ranks", "-1"],
+     "argument --missing-ranks: must be a whole number >= 0, got -1"),
+    ("snippets.training.precision_and_accumulation", ["--threads", "0"],
+     "argument --threads: must be a whole number >= 1, got 0"),
+    ("snippets.training.low_precision", ["--steps", "0"],
+     "argument --steps: must be a whole number >= 1, got 0"),
+    ("snippets.training.accelerate_sharding", ["--processes", "0"],
+     "argument --processes: must be a whole number >= 1, got 0"),
+    ("snippets.training.profile_step", ["--data-delay-ms", "-5"],
+     "argument --data-delay-ms: must be a number >= 0, got -5"),
+]
+
+
+@pytest.mark.parametrize("module, argv, message", SCRIPTS,
+                         ids=[f"{m.split('.')[-1]} {' '.join(a)}" for m, a, _ in SCRIPTS])
+def test_lesson_scripts_refuse_a_bad_number_in_one_line(module, argv, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.split(": error: ", 1)[1] == message + "\n"

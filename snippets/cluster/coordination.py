@@ -26,6 +26,8 @@ from datetime import datetime, timedelta
 
 import torch.distributed as dist
 
+from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
+
 
 def stamp() -> str:
     """Wall-clock time to the millisecond: every process on this machine shares the clock."""
@@ -90,11 +92,12 @@ def barrier_with_missing_ranks(rank: int, missing: list[int], timeout_s: float) 
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--work-s", type=float, default=0.5, help="rank r works r x this before the barrier")
-    p.add_argument("--missing-ranks", type=int, nargs="+", default=[],
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--work-s", type=float_at_least(0), default=0.5,
+                   help="rank r works r x this before the barrier")
+    p.add_argument("--missing-ranks", type=int_at_least(0), nargs="+", default=[],
                    help="these ranks never arrive")
-    p.add_argument("--timeout", type=float, default=60, help="seconds any wait may take")
+    p.add_argument("--timeout", type=positive_float, default=60, help="seconds any wait may take")
     args = p.parse_args(argv)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     node_rank = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))

@@ -12,6 +12,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from snippets.training.flags import Parser, int_at_least
+
 
 class RankError(ValueError):
     """A node or process index outside the job; the message says which and the valid range."""
@@ -98,10 +100,10 @@ def check_answer(answer: str, node: int = 3, of: int = 4, gpus_per_node: int = 8
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--node-rank", type=int, default=2, help="NODE_RANK, counted from 0")
-    p.add_argument("--nnodes", type=int, default=4)
-    p.add_argument("--gpus-per-node", type=int, default=8)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--node-rank", type=int_at_least(0), default=2, help="NODE_RANK, counted from 0")
+    p.add_argument("--nnodes", type=int_at_least(1), default=4)
+    p.add_argument("--gpus-per-node", type=int_at_least(1), default=8)
     p.add_argument("--answer", help="check an answer FIRST-LAST to 'node 3 of 4, 8 GPUs each'")
     args = p.parse_args(argv)
     try:

@@ -31,6 +31,7 @@ import torch
 
 from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, load_checkpoint,
                                           save_checkpoint)
+from snippets.training.flags import Parser, int_at_least
 
 FILE_PATTERN = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
 
@@ -213,12 +214,12 @@ def _inspect(directory: str) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save", help="demo: N processes train the tiny GPT, each saves its shard")
     save.add_argument("directory")
-    save.add_argument("--world-size", type=int, default=2)
-    save.add_argument("--step", type=int, default=3, help="training steps before saving")
+    save.add_argument("--world-size", type=int_at_least(1), default=2)
+    save.add_argument("--step", type=int_at_least(1), default=3, help="training steps before saving")
     sub.add_parser("inspect", help="list the rank files and their metadata").add_argument(
         "directory")
     cons = sub.add_parser("consolidate", help="join all shards into one ordinary checkpoint")

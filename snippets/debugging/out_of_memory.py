@@ -11,12 +11,12 @@ of a forward and backward pass.
 
 from __future__ import annotations
 
-import argparse
 
 import torch
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes, model_state_bytes
+from snippets.training.flags import Parser, int_at_least
 from snippets.training.precision_and_accumulation import median_seconds
 
 MiB = 2**20
@@ -67,12 +67,12 @@ def checkpointing_cost(config_name: str, micro_batch: int, repeats: int = 5) -> 
 # --8<-- [end:checkpointing-cost]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None) -> None:
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default="small")
-    parser.add_argument("--micro-batches", type=int, nargs="+", default=[8, 4, 2])
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    parser.add_argument("--micro-batches", type=int_at_least(1), nargs="+", default=[8, 4, 2])
+    parser.add_argument("--repeats", type=int_at_least(1), default=3)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # timings compare variants in one process; one thread is steadier
 
     print(f"{args.config} GPT, fp32 + AdamW, one rank: bytes for one training step")

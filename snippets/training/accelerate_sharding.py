@@ -15,6 +15,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from snippets.scratch.sampler import ShardedSampler
+from snippets.training.flags import Parser, int_at_least
 
 
 # --8<-- [start:shards]
@@ -35,10 +36,10 @@ def sampler_shards(make_sampler, examples: int, batch_size: int, processes: int)
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--examples", type=int, default=10)
-    p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--processes", type=int, default=2)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--examples", type=int_at_least(1), default=10)
+    p.add_argument("--batch-size", type=int_at_least(1), default=2)
+    p.add_argument("--processes", type=int_at_least(1), default=2)
     args = p.parse_args(argv)
     examples, batch_size, processes = args.examples, args.batch_size, args.processes
     rows = {

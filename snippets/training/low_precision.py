@@ -28,6 +28,7 @@ from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.precision import (E4M3, E5M2, Fp8Matmul, dequantize_fp8, fp8_scale,
                                         quantization_error, quantize_fp8, scaled_mm_linear,
                                         swap_linears_for_fp8)
+from snippets.training.flags import Parser, int_at_least
 
 BF16_VS_FP32 = {"fp32": (GPT, None), "bf16": (GPT, torch.bfloat16)}
 
@@ -341,13 +342,13 @@ PARTS = {"train": print_train, "profile": print_profile, "fp8": print_fp8,
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("part", nargs="?", default="train", choices=list(PARTS))
     p.add_argument("--config", default="small")
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--steps", type=int_at_least(1), default=30)
+    p.add_argument("--batch-size", type=int_at_least(1), default=8)
     p.add_argument("--plot", help="write the loss curves to this image file")
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int_at_least(1), default=1)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.part in ("train", "profile"):

@@ -27,6 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from snippets.data.dataset import RandomWindowSampler, load_tokens
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
+from snippets.training.flags import Parser, float_at_least, int_at_least
 
 PHASES = ("data", "forward", "backward", "optimizer")
 
@@ -265,21 +266,21 @@ def _run(args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = Parser(description=__doc__.splitlines()[0],
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--config", default="small", help="model config: tiny|small|medium|...")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"])
-    p.add_argument("--steps", type=int, default=3,
+    p.add_argument("--steps", type=int_at_least(1), default=3,
                    help="steps to profile (after 1 skipped and 1 warm-up step), or to log "
                         "with --throughput")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per step")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
+    p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="CPU threads for PyTorch, as in train_tiny_transformer.py; "
                         "0 = PyTorch's own choice")
     p.add_argument("--adamw", default="default", choices=["default", "foreach", "fused"],
                    help="AdamW implementation; default lets PyTorch choose by device")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--row-limit", type=int, default=12, help="rows of the operator table")
+    p.add_argument("--row-limit", type=int_at_least(1), default=12, help="rows of the operator table")
     p.add_argument("--record-shapes", action="store_true",
                    help="record input shapes and group the table by them")
     p.add_argument("--profile-memory", action="store_true",
@@ -288,7 +289,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="write a Chrome trace (JSON) of the profiled steps to PATH")
     p.add_argument("--throughput", action="store_true",
                    help="no profiler: print data time, compute time and tokens/s per step")
-    p.add_argument("--data-delay-ms", type=float, default=0.0,
+    p.add_argument("--data-delay-ms", type=float_at_least(0), default=0.0,
                    help="sleep this long before every batch: simulates a slow data loader")
     args = p.parse_args(argv)
     if args.steps < 1:
