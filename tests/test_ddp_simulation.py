@@ -27,14 +27,31 @@ def final_loss(log: Path) -> float:
     return float(re.findall(r"final global loss (\S+)", log.read_text())[-1])
 
 
-def test_four_workers_log_per_rank_see_different_shards_and_stay_in_sync(tmp_path):
-    result = torchrun(tmp_path, "--steps", "4")
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    """One unbroken 4-rank run, 8 steps, a checkpoint every 3: read by the logging test and
+    the reference for the restart test (one torchrun of 5 processes instead of two)."""
+    tmp = tmp_path_factory.mktemp("four")
+    result = torchrun(tmp, "--steps", "8", "--ckpt-every", "3")
     assert result.returncode == 0, result.stderr[-3000:]
-    logs = [(tmp_path / "logs" / f"rank_{r}" / "train.log").read_text() for r in range(4)]
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """One 2-rank run of 2 steps with --grad-norm, read by two tests."""
+    tmp = tmp_path_factory.mktemp("two")
+    result = torchrun(tmp, "--steps", "2", "--grad-norm", nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return tmp
+
+
+def test_four_workers_log_per_rank_see_different_shards_and_stay_in_sync(four_ranks):
+    logs = [(four_ranks / "logs" / f"rank_{r}" / "train.log").read_text() for r in range(4)]
     starts = [re.search(r"starts with examples (\[.*?\])", log).group(1) for log in logs]
     assert len(set(starts)) == 4  # every rank trains on a different slice
     for log in logs:
-        assert log.count("replicas in sync: True") == 4
+        assert log.count("replicas in sync: True") == 8
     checksums = [re.findall(r"checksum (\S+)", log)[-1] for log in logs]
     assert len(set(checksums)) == 1
 
@@ -56,9 +73,7 @@ def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
     assert "error_file: <N/A>" not in root_cause and "simulated failure on rank 2" in root_cause
 
 
-def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path):
-    unbroken = torchrun(tmp_path / "a", "--steps", "8", "--ckpt-every", "3")
-    assert unbroken.returncode == 0, unbroken.stderr[-3000:]
+def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path, four_ranks):
     restarted = torchrun(tmp_path / "b", "--steps", "8", "--ckpt-every", "3", "--fail-rank", "2",
                          "--fail-step", "5", torchrun_args=["--max-restarts=1"])
     assert restarted.returncode == 0, restarted.stderr[-3000:]
@@ -66,15 +81,13 @@ def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path)
     assert "resumed from" in log_b.read_text() and "at step 3" in log_b.read_text()
     # Equal to 4 decimals, not bit for bit: DDP regroups its gradient buckets after the first
     # step of every run, so the resumed run sums some gradients in a different order.
-    a, b = final_loss(tmp_path / "a" / "logs" / "rank_0" / "train.log"), final_loss(log_b)
+    a, b = final_loss(four_ranks / "logs" / "rank_0" / "train.log"), final_loss(log_b)
     assert abs(a - b) < 1e-4, (a, b)
 
 
-def test_grad_norm_is_measured_before_and_after_the_average(tmp_path):
-    result = torchrun(tmp_path, "--steps", "2", "--grad-norm", nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_grad_norm_is_measured_before_and_after_the_average(two_ranks):
     pattern = r"step\s+(\d+) .* grad norm local (\S+) synced (\S+)"
-    runs = [re.findall(pattern, (tmp_path / "logs" / f"rank_{r}" / "train.log").read_text())
+    runs = [re.findall(pattern, (two_ranks / "logs" / f"rank_{r}" / "train.log").read_text())
             for r in range(2)]
     assert len(runs[0]) == len(runs[1]) == 2
     for (_, local_0, synced_0), (_, local_1, synced_1) in zip(*runs):
@@ -84,10 +97,8 @@ def test_grad_norm_is_measured_before_and_after_the_average(tmp_path):
         assert float(synced_0) <= (float(local_0) + float(local_1)) / 2 + 1e-4
 
 
-def test_steps_per_epoch_and_tokens_per_step_follow_the_world_size(tmp_path):
-    result = torchrun(tmp_path, "--steps", "1", nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = (tmp_path / "logs" / "rank_1" / "train.log").read_text()
+def test_steps_per_epoch_and_tokens_per_step_follow_the_world_size(two_ranks):
+    log = (two_ranks / "logs" / "rank_1" / "train.log").read_text()
     # 4616 windows / 2 ranks = 2308 per rank; 2308 // 8 = 288 steps; 8 x 2 x 64 tokens per step.
     assert "shard: 2308 of 4616 examples" in log
     assert "288 steps per epoch; a step trains on 8 sequences x 2 ranks x 64 tokens = 1,024 tokens" in log
