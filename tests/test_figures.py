@@ -81,3 +81,32 @@ def test_ring_figure_replays_what_the_ring_computed():
     assert all(v == full for rank in history[-1] for v in rank)  # every rank holds every sum
     # After reduce-scatter each rank owns exactly one finished chunk: (rank + 1) % N.
     assert [[k for k, v in enumerate(rank) if v == full] for rank in history[2]] == [[1], [2], [0]]
+
+
+def test_interleaved_figure_is_drawn_from_the_interleaved_schedule():
+    """The second figure of snippets/figures/pipeline_schedules.py: committed, described, shown
+    with alt text, and its timelines are the scratch module's schedule, with the bubbles the
+    formulas give: (p-1)/m, (p-1)/(v m), and a third of that with zero bubble."""
+    from snippets.figures.pipeline_schedules import (INTERLEAVED_NAME, INTERLEAVED_V,
+                                                     MICRO_BATCHES, STAGES,
+                                                     interleaved_timelines, render_interleaved)
+    from snippets.scratch.pipeline_interleaved import bubble_over_compute, interleaved_schedule
+
+    path = FIGURES / f"{INTERLEAVED_NAME}.svg"
+    assert render_interleaved() == path.read_text(encoding="utf-8"), (
+        "run `python -m snippets.figures.pipeline_schedules` and commit the new SVG")
+    root = ET.fromstring(path.read_text(encoding="utf-8"))
+    assert root.find(f"{SVG_NS}title").text and root.find(f"{SVG_NS}desc").text
+    users = [p for p in DOCS.rglob("*.md") if f"assets/figures/{path.name}" in p.read_text()]
+    assert users and all(f"![](../../assets/figures/{path.name})" not in p.read_text()
+                         for p in users)
+    p, m, v = STAGES, MICRO_BATCHES, INTERLEAVED_V
+    runs = interleaved_timelines()
+    for (label, timeline), n in zip(runs.items(), (1, v, 3 * v)):
+        span = max(end for acts in timeline.values() for *_, end in acts)
+        for r, acts in timeline.items():
+            busy = sum(end - start for *_, start, end in acts)
+            assert (span - busy) / busy == pytest.approx(bubble_over_compute(p, m, n)), label
+            if label != "1F1B":
+                assert [a[:3] for a in acts] == interleaved_schedule(m, r, p, v,
+                                                                     "zero" in label)

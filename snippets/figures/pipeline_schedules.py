@@ -129,5 +129,89 @@ def render() -> str:
                         f"m = {MICRO_BATCHES}", desc, body, defs=[svg.hatch_pattern("idle")])
 
 
+# Interleaved 1F1B and its zero-bubble variant, drawn from snippets/scratch/pipeline_interleaved.py.
+INTERLEAVED_NAME = "pipeline-interleaved"
+INTERLEAVED_V = 2
+I_UNIT = 14  # a chunk's forward; a whole stage's forward is v units
+CHUNK_FILL = {"F": ("#dbe9f6", "#fde2c4"), "B": ("#1f4e79", "#a0522d"), "W": ("#7fa7cc", "#d9a27a")}
+
+
+def interleaved_timelines(num_stages: int = STAGES, num_micro_batches: int = MICRO_BATCHES,
+                          v: int = INTERLEAVED_V) -> dict:
+    """{label: (timeline, ranks' busy units)} for plain 1F1B (a stage: forward v units, backward
+    2v), interleaved 1F1B (v chunks: forward 1, backward 2) and zero bubble (B and W 1 each)."""
+    from snippets.scratch.pipeline_interleaved import interleaved_schedule, simulate
+
+    p, m = num_stages, num_micro_batches
+    plain = {s: [(k, s, i) for k, i in SCHEDULES["1f1b"](m, s, p)] for s in range(p)}
+    runs = {"1F1B": simulate(plain, p, m, {"F": v, "B": 2 * v})}
+    for label, zb in (("Interleaved 1F1B", False), ("Interleaved, zero bubble", True)):
+        orders = {r: interleaved_schedule(m, r, p, v, zb) for r in range(p)}
+        duration = {"F": 1, "B": 1, "W": 1} if zb else {"F": 1, "B": 2}
+        runs[label] = simulate(orders, p * v, m, duration)
+    return runs
+
+
+def _interleaved_panel(y0: float, label: str, timeline, total: int, p: int):
+    span = max(end for acts in timeline.values() for *_, end in acts)
+    busy = sum(end - start for *_, start, end in timeline[0])
+    parts = [svg.text(LEFT, y0 + 12, f"{label}: step of {span} units, idle / compute = "
+                      f"{(span - busy) / busy:.3f}", size=16, anchor="start", weight="bold")]
+    top = y0 + 30
+    for r, acts in timeline.items():
+        y = top + r * ROW
+        parts.append(svg.text(LEFT - 10, y + ROW / 2 - 2, f"rank {r}", size=14, anchor="end"))
+        parts.append(svg.rect(LEFT, y, total * I_UNIT, ROW - 6, fill="url(#idle)",
+                              stroke="#999999"))
+        for kind, chunk, i, start, end in acts:
+            second = chunk >= p  # the rank's second chunk: primed label, warm fill
+            x, w = LEFT + start * I_UNIT, (end - start) * I_UNIT
+            parts.append(svg.rect(x, y, w, ROW - 6, fill=CHUNK_FILL[kind][second],
+                                  stroke="#222222"))
+            parts.append(svg.text(x + w / 2, y + (ROW - 6) / 2 + 1, f"{i}{'′' if second else ''}",
+                                  size=11, fill="#ffffff" if kind == "B" else "#111111"))
+    axis_y = top + len(timeline) * ROW + 4
+    for t in range(0, total + 1, 6):
+        x = LEFT + t * I_UNIT
+        parts.append(svg.line(x, axis_y - 4, x, axis_y + 2, stroke="#444444"))
+        parts.append(svg.text(x, axis_y + 12, str(t), size=12, fill="#444444"))
+    return parts, axis_y + 24
+
+
+def render_interleaved() -> str:
+    runs = interleaved_timelines()
+    total = max(end for tl in runs.values() for acts in tl.values() for *_, end in acts)
+    body, y = [], 10
+    for label, timeline in runs.items():
+        parts, y = _interleaved_panel(y, label, timeline, total, STAGES)
+        body += parts
+        y += 16
+    legend = [("F", 0, "3", "forward of micro-batch 3"),
+              ("F", 1, "3′", "on the rank's 2nd chunk"), ("B", 0, "3", "backward"),
+              ("B", 1, "3′", "2nd chunk"),
+              ("W", 0, "3", "weight gradient"), (None, 0, "", "idle")]
+    lx = LEFT
+    for kind, second, text, words in legend:
+        fill = CHUNK_FILL[kind][second] if kind else "url(#idle)"
+        body.append(svg.rect(lx, y, 2 * I_UNIT, 22, fill=fill))
+        body.append(svg.text(lx + I_UNIT, y + 12, text, size=11,
+                             fill="#ffffff" if kind == "B" else "#111111"))
+        body.append(svg.text(lx + 2 * I_UNIT + 6, y + 11, words, size=13, anchor="start"))
+        lx += 2 * I_UNIT + 24 + 7.5 * len(words)
+    width = max(LEFT + total * I_UNIT + 40, lx)
+    p, m, v = STAGES, MICRO_BATCHES, INTERLEAVED_V
+    desc = (f"Three timelines of one training step with {p} ranks and {m} micro-batches, in "
+            f"units of one chunk's forward. Plain 1F1B: one stage per rank, forward {v} units, "
+            f"backward {2 * v}; idle over compute (p-1)/m. Interleaved 1F1B: each rank holds "
+            f"{v} chunks (rank r: chunks r and r+{p}, the second drawn with a primed label), "
+            f"each a forward of 1 unit and a backward of 2; the warm-up and cool-down are "
+            f"{v} times shorter, idle over compute (p-1)/(v m). Zero bubble: each backward is "
+            f"split into the input gradient (1 unit) and the weight gradient (1 unit), which "
+            f"fills idle time; idle over compute is a third of interleaved's.")
+    return svg.document(width, y + 34, f"1F1B, interleaved 1F1B and zero bubble, p = {p}, "
+                        f"m = {m}, v = {v}", desc, body, defs=[svg.hatch_pattern("idle")])
+
+
 if __name__ == "__main__":
     print(f"wrote {svg.write(NAME, render())}")
+    print(f"wrote {svg.write(INTERLEAVED_NAME, render_interleaved())}")
