@@ -15,6 +15,7 @@ Everything is importable: ``main(argv)`` is the command line and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -33,6 +34,7 @@ from snippets.data.dataset import (
     sequential_batches,
     train_val_split,
 )
+from snippets.data.shards import load_tokenizer, read_rank_tokens
 from snippets.data.tokenizer import ByteTokenizer
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
@@ -72,7 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="model config: tiny|small|medium|gpt2-small or a JSON file "
                         "(default: snippets/models/config.json)")
     p.add_argument("--data", default=None,
-                   help="UTF-8 text file to train on (default: the built-in generated corpus)")
+                   help="UTF-8 text file to train on, or the manifest.json of token shards "
+                        "from snippets/data/shards.py (default: the built-in generated corpus)")
     p.add_argument("--epochs", type=int_at_least(1), default=1,
                    help="number of epochs (see --steps-per-epoch)")
     p.add_argument("--steps-per-epoch", type=int_at_least(1), default=None,
@@ -300,12 +303,23 @@ def _train(args: argparse.Namespace) -> list[dict]:
     out = Path(args.out)
     seed_everything(args.seed)
 
-    tokenizer = ByteTokenizer()
-    if config.vocab_size != tokenizer.vocab_size:
-        raise ConfigError(f"the byte tokenizer has {tokenizer.vocab_size} tokens but the config "
-                          f"has vocab_size={config.vocab_size}; use vocab_size 256")
-    tokens = load_tokens(args.data, tokenizer, context_length)
-    data_name = args.data or "the built-in generated corpus"
+    if args.data and args.data.endswith(".json"):
+        # --8<-- [start:read-shards]
+        # Token shards prepared once by snippets/data/shards.py. One process is rank 0 of 1 and
+        # reads every shard; the vocabulary is the data's: the tokenizer it was written with.
+        tokenizer = load_tokenizer(args.data)
+        files, ids = read_rank_tokens(args.data, rank=0, world_size=1)
+        tokens = torch.from_numpy(ids.astype("int32"))
+        config = dataclasses.replace(config, vocab_size=tokenizer.vocab_size)
+        data_name = f"{args.data} ({len(files)} shards verified, vocab {tokenizer.vocab_size:,})"
+        # --8<-- [end:read-shards]
+    else:
+        tokenizer = ByteTokenizer()
+        if config.vocab_size != tokenizer.vocab_size:
+            raise ConfigError(f"the byte tokenizer has {tokenizer.vocab_size} tokens but the "
+                              f"config has vocab_size={config.vocab_size}; use vocab_size 256")
+        tokens = load_tokens(args.data, tokenizer, context_length)
+        data_name = args.data or "the built-in generated corpus"
     train_tokens, val_tokens = train_val_split(tokens, args.val_fraction, context_length,
                                                source=str(data_name))
     steps_per_epoch = args.steps_per_epoch or max(
