@@ -8,6 +8,7 @@ Compare numbers as ratios taken in the same run: absolute times on shared machin
 BENCHMARKS = [
     "snippets.bench.matmul",
     "snippets.bench.train_throughput",
+    "snippets.bench.fused",
     "snippets.bench.ddp_step_time",
     "snippets.bench.allreduce_bandwidth",
     "snippets.bench.pipeline_bubble",

@@ -1,0 +1,100 @@
+"""Training throughput of the course's GPT, readable and fused, against nanoGPT's architecture.
+
+At the small and medium configs, five models train side by side in one process: the readable
+GPT, the same GPT after `fuse` (snippets/models/fused.py), the fused GPT under torch.compile, and
+a nanoGPT-shaped model with the same shapes and FLOPs per token (snippets/models/nanogpt.py:
+matched_to), eager and compiled. Each step is forward + backward + fused AdamW on one fixed
+batch; the steps are interleaved round by round and timed by this process's CPU time
+(median_seconds), on one thread.
+With equal FLOPs per token, the ratio of model-FLOP throughputs is the inverse ratio of step
+times; both FLOP counts are computed and stored, so the claim is checked, not assumed.
+
+    python -m snippets.bench --only fused --merge --out bench.json
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from snippets.machine import machine_info
+from snippets.models.fused import compile_model, fuse
+from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.models.nanogpt import NanoGPT, matched_to
+from snippets.models.nanogpt import training_flops_per_token as nanogpt_flops_per_token
+from snippets.planner.flops import training_flops_per_token
+from snippets.training.precision_and_accumulation import median_seconds
+
+SHAPES = (("small", 8), ("medium", 8))  # config, batch size; sequences are the full context
+
+
+def make_step(model, inputs, targets):
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        _, loss = model(inputs, targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+    return step
+
+
+def measure(config_name: str, batch_size: int, repeats: int, compile: bool) -> dict:
+    config = get_config(config_name)
+    seq_len = config.max_position_embeddings
+    torch.manual_seed(0)
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1))
+    inputs, targets = shift_for_next_token(tokens)
+    nano_config = matched_to(config)
+    flops = {"course_gpt": training_flops_per_token(config, seq_len),
+             "nanogpt": nanogpt_flops_per_token(nano_config, seq_len)}
+    builders = {"readable": lambda: GPT(config), "fused": lambda: fuse(GPT(config)),
+                "nanogpt": lambda: NanoGPT(nano_config)}
+    if compile:
+        # nanoGPT's own train.py compiles by default; compiled against compiled is the
+        # like-for-like comparison, eager nanoGPT the model as its model.py runs it.
+        builders["fused_compiled"] = lambda: compile_model(fuse(GPT(config)))
+        builders["nanogpt_compiled"] = lambda: compile_model(NanoGPT(nano_config))
+    steps, first_step_s, first_loss = {}, {}, {}
+    for name, build in builders.items():
+        torch.manual_seed(0)
+        steps[name] = make_step(build(), inputs, targets)
+        start = time.perf_counter()  # compiled: the first step traces and compiles both passes
+        first_loss[name] = round(steps[name]().item(), 6)  # same init: equal but for nanoGPT
+        first_step_s[name] = round(time.perf_counter() - start, 2)
+    seconds = median_seconds(steps, repeats=repeats, warmup=1)
+    out = {"batch_size": batch_size, "seq_len": seq_len, "tokens_per_step": inputs.numel(),
+           "training_flops_per_token": flops, "nanogpt_mlp_hidden": nano_config.mlp_hidden,
+           "first_step_loss": first_loss, "first_step_wall_s": first_step_s,
+           "step_ms": {}, "model_gflops": {}, "ratio_to_nanogpt": {}}
+    for name, s in seconds.items():
+        per_token = flops["nanogpt" if name.startswith("nanogpt") else "course_gpt"]
+        out["step_ms"][name] = round(1e3 * s, 2)
+        out["model_gflops"][name] = round(per_token * inputs.numel() / s / 1e9, 3)
+    for name, gflops in out["model_gflops"].items():
+        out["ratio_to_nanogpt"][name] = round(gflops / out["model_gflops"]["nanogpt"], 3)
+    if compile:
+        out["ratio_compiled_to_nanogpt_compiled"] = round(
+            out["model_gflops"]["fused_compiled"] / out["model_gflops"]["nanogpt_compiled"], 3)
+    return out
+
+
+def run(shapes=SHAPES, repeats: int = 7, compile: bool = True) -> dict:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: process CPU time is then the step's own time
+    try:
+        out = {"machine": machine_info(), "threads": 1, "repeats": repeats,
+               "clock": "process CPU time, median, variants interleaved"}
+        for config_name, batch_size in shapes:
+            out[config_name] = measure(config_name, batch_size, repeats, compile)
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))
