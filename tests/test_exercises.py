@@ -92,7 +92,7 @@ def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[in
 
 
 def test_catalogue_lists_every_exercise_of_the_guide_once():
-    assert [e.number for e in catalog.EXERCISES] == list(range(1, 21))
+    assert [e.number for e in catalog.EXERCISES] == list(range(1, 25))
     assert {e.number for e in AVAILABLE} >= set(range(1, 8))
     for ex in catalog.EXERCISES:
         assert ex.title and ex.concept and ex.difficulty and ex.task
@@ -160,9 +160,10 @@ def test_stubs_never_overwrite_edited_files_without_force(tmp_path):
 # ---------------------------------------------------------------- checks accept correct code
 
 
-# The checks of exercises 15, 16, 19 and 20 start processes; `check all` in the CLI test below
+# The checks of exercises 15, 16 and 19-24 start processes; `check all` in the CLI test below
 # runs them on the solutions, so they are not run a second time here.
-@pytest.mark.parametrize("ex", [ex for ex in AVAILABLE if ex.number not in (15, 16, 19, 20)],
+@pytest.mark.parametrize("ex", [ex for ex in AVAILABLE
+                                if ex.number not in (15, 16, 19, 20, 21, 22, 23, 24)],
                          ids=lambda e: f"exercise-{e.number}")
 def test_every_check_passes_on_the_solutions(ex):
     result = run_check(ex, solutions_workspace())
@@ -171,7 +172,8 @@ def test_every_check_passes_on_the_solutions(ex):
 
 
 def test_cli_check_all_on_the_solutions_and_on_fresh_stubs(tmp_path):
-    solutions = cli("check", "all", "--workspace", ".")
+    # 24 checks, 13 of them on gloo processes: about 30 s on an idle 2-core machine
+    solutions = cli("check", "all", "--workspace", ".", timeout=300)
     assert solutions.returncode == 0, solutions.stdout + solutions.stderr
     assert f"{len(AVAILABLE)} of {len(AVAILABLE)} available exercises pass" in solutions.stdout
     assert "not yet" not in solutions.stdout  # all have their solution and check
@@ -756,6 +758,180 @@ PARALLEL_WRONG.update({
         "the first backward synchronised, the second raised"),
 })
 
+# ---------------------------------------------------------------- ZeRO 1-3 and the MoE dispatch
+
+ZERO1_STEP = re.search(r"\[start:zero1-step\]\n(.*?)\n[ \t]*# --8<-- \[end:zero1-step\]",
+                       (ROOT / catalog.ZERO_FILE).read_text(), re.S)[1] + "\n"
+ZERO2 = solution_section(catalog.ZERO_FILE, "zero2")
+ZERO3_UNIT = solution_section(catalog.ZERO_FILE, "zero3-unit")
+ZERO3 = solution_section(catalog.ZERO_FILE, "zero3")
+DISPATCH = solution_section(catalog.MOE_FILE, "dispatch")
+ZERO1_GATHER = ("        shard = self.flat.local(self.flat.full)\n"
+                "        self.comm.all_gather(self.flat.full, shard)  # every rank gets every "
+                "updated shard\n")
+ZERO2_REDUCE = "        self.comm.reduce_scatter(received, bucket.flat_grad())\n"
+PARALLEL_WRONG.update({
+    "zero1-summed": (21, "zero1-step", edited(ZERO1_STEP, (
+        "        self.flat_grads /= dist.get_world_size()  # ...then the mean, as in DDP\n", "")),
+        "the gradients were summed, not averaged: 2 times too large"),
+    "zero1-not-reduced": (21, "zero1-step", edited(ZERO1_STEP, (
+        "        self.comm.all_reduce(self.flat_grads)  # every rank gets the summed gradient...\n"
+        "        self.flat_grads /= dist.get_world_size()  # ...then the mean, as in DDP\n", "")),
+        "the gradients were never all-reduced"),
+    "zero1-no-all-gather": (21, "zero1-step", edited(ZERO1_STEP, (ZERO1_GATHER, "")),
+        "the updated shards were never all-gathered"),
+    "zero1-gather-before-step": (21, "zero1-step", edited(ZERO1_STEP, (ZERO1_GATHER, ""), (
+        "        self.optimizer.step()", ZERO1_GATHER + "        self.optimizer.step()")),
+        "all-gathered before the step, so the update used stale parameters"),
+    "zero1-bypasses-comm": (21, "zero1-step", edited(ZERO1_STEP, (
+        "self.comm.all_reduce(self.flat_grads)", "dist.all_reduce(self.flat_grads)")),
+        "make the all-reduce and the all-gather through self.comm"),
+    "zero2-summed": (22, "zero2", edited(ZERO2, (
+        "        received /= dist.get_world_size()\n", "")),
+        "the gradients were summed, not averaged: 2 times too large"),
+    "zero2-wrong-rank": (22, "zero2", edited(ZERO2, (ZERO2_REDUCE, (
+        "        flat = bucket.flat_grad()\n        self.comm.all_reduce(flat)\n"
+        "        world = dist.get_world_size()\n"
+        "        received = flat.chunk(world)[(dist.get_rank() + 1) % world].clone()\n"))),
+        "reduce-scatter shard given to the wrong rank: rank 0 holds the averaged gradient of "
+        "rank 1's shard"),
+    "zero2-all-reduced": (22, "zero2", edited(ZERO2, (ZERO2_REDUCE, (
+        "        flat = bucket.flat_grad()\n        self.comm.all_reduce(flat)\n"
+        "        received = bucket.local(flat).clone()\n"))),
+        "the gradients were all-reduced, not reduce-scattered"),
+    "zero2-overwrites": (22, "zero2", edited(ZERO2, (
+        "        if shard.grad is None:\n            shard.grad = received\n"
+        "        else:  # gradient accumulation: add this micro-batch's averaged gradient\n"
+        "            shard.grad += received\n", "        shard.grad = received\n")),
+        "the hook overwrote self.shards[i].grad"),
+    "zero2-keeps-full-grads": (22, "zero2", edited(ZERO2, (
+        "        for p in bucket.params:\n            p.grad = None  # the full gradient is "
+        "gone; only this rank's shard remains\n", "")),
+        "after backward 0.weight.grad still holds the full gradient"),
+    "zero2-reduces-early": (22, "zero2", edited(ZERO2, (
+        "if self.ready[i] < len(bucket.params):", "if self.ready[i] < 1:")),
+        "reducing before all the bucket's gradients exist"),
+    "zero2-count-not-reset": (22, "zero2", edited(ZERO2, (
+        "self.ready[i], self.reduced[i] = 0, True", "self.reduced[i] = True")),
+        "self.ready[i] was not reset to 0"),
+    "zero2-reduced-not-marked": (22, "zero2", edited(ZERO2, (
+        "self.ready[i], self.reduced[i] = 0, True", "self.ready[i] = 0")),
+        "did not set self.reduced[i] = True"),
+    "zero3-never-freed": (23, "zero3", edited(ZERO3, ("        unit.free()\n", "")),
+        "the full weights were never freed"),
+    "zero3-no-gather-in-backward": (23, "zero3", edited(ZERO3, (
+        "                t.register_hook(lambda grad, unit=unit: (unit.gather(), grad)[1])\n",
+        "                pass\n")),
+        "backward ran on freed parameters"),
+    "zero3-gather-without-resize": (23, "zero3-unit", edited(ZERO3_UNIT, (
+        "            self.flat.full.untyped_storage().resize_(self.full_bytes)\n", "")),
+        "gather() must first give the flat buffer its bytes back"),
+    "moe-counts-not-exchanged": (24, "dispatch", edited(DISPATCH, (
+        "    recv_per_expert = torch.empty_like(tokens_per_expert)\n"
+        "    dist.all_to_all_single(recv_per_expert, tokens_per_expert, group=group)\n",
+        "    recv_per_expert = tokens_per_expert  # assumed symmetric\n")),
+        "counts not exchanged"),
+    "moe-splits-per-expert": (24, "dispatch", edited(DISPATCH, (
+        "send_splits = tokens_per_expert.view(world, local).sum(dim=1).tolist()",
+        "send_splits = tokens_per_expert.tolist()"), (
+        "recv_splits = recv_per_expert.view(world, local).sum(dim=1).tolist()",
+        "recv_splits = recv_per_expert.tolist()")),
+        "the splits are per RANK, not per expert"),
+    "moe-no-regroup": (24, "dispatch", edited(DISPATCH, (
+        "outputs = moe.run_local_experts(torch.cat(by_expert), counts.sum(dim=0))",
+        "outputs = moe.run_local_experts(received, counts.sum(dim=0))"), (
+        "back = torch.cat([out_pieces[j * world + s] for s in range(world) for j in range(local)])",
+        "back = outputs")),
+        "the experts ran on them in that order: rows from rank 1 went to the wrong expert"),
+    "moe-combined-in-send-order": (24, "dispatch", edited(DISPATCH, (
+        "back = torch.cat([out_pieces[j * world + s] for s in range(world) for j in range(local)])",
+        "back = outputs")),
+        "tokens combined in send order instead of original order"),
+    "moe-return-splits-not-swapped": (24, "dispatch", edited(DISPATCH, (
+        "return AllToAll.apply(back, recv_splits, send_splits, group)",
+        "return AllToAll.apply(back, send_splits, recv_splits, group)")),
+        "the results go back with the splits of the way out"),
+    "moe-no-return-trip": (24, "dispatch", edited(DISPATCH, (
+        "return AllToAll.apply(back, recv_splits, send_splits, group)", "return back")),
+        "the results never went back to the ranks their tokens came from"),
+    "moe-no-autograd": (24, "dispatch", edited(DISPATCH, (
+        "received = AllToAll.apply(inputs, send_splits, recv_splits, group)",
+        "received = inputs.new_empty(sum(recv_splits), inputs.shape[1])\n"
+        "    dist.all_to_all_single(received, inputs.detach(), recv_splits, send_splits, "
+        "group=group)")),
+        "no gradient flows back to the inputs"),
+})
+
+# Hand-written exchanges that call a blocking recv before any rank sends: every rank waits.
+ZERO1_RECV_FIRST = edited(ZERO1_STEP, (ZERO1_GATHER, (
+    "        rank, world = dist.get_rank(), dist.get_world_size()\n"
+    "        shards = self.flat.full.chunk(world)\n"
+    "        for peer in range(world):\n"
+    "            if peer != rank:\n"
+    "                dist.recv(shards[peer], peer)\n"
+    "        for peer in range(world):\n"
+    "            if peer != rank:\n"
+    "                dist.send(shards[rank], peer)\n")))
+MOE_RECV_FIRST = edited(DISPATCH, (
+    "    dist.all_to_all_single(recv_per_expert, tokens_per_expert, group=group)\n",
+    "    rank, rows = dist.get_rank(), recv_per_expert.view(world, local)\n"
+    "    for peer in range(world):\n"
+    "        if peer != rank:\n"
+    "            dist.recv(rows[peer], peer)\n"
+    "    for peer in range(world):\n"
+    "        if peer != rank:\n"
+    "            dist.send(tokens_per_expert.view(world, local)[peer].contiguous(), peer)\n"
+    "    rows[rank] = tokens_per_expert.view(world, local)[rank]\n"))
+# A collective that only rank 0 makes: the others go on, rank 0 waits for them.
+ZERO2_RANK_0_ONLY = edited(ZERO2, (ZERO2_REDUCE, (
+    "        if dist.get_rank() == 0:\n"
+    "            self.comm.reduce_scatter(received, bucket.flat_grad())\n"
+    "        else:\n            received.zero_()\n")))
+ZERO3_RANK_0_ONLY = edited(ZERO3, (
+    "                t.register_hook(lambda grad, unit=unit: (unit.gather(), grad)[1])\n",
+    "                if dist.get_rank() == 0:\n"
+    "                    t.register_hook(lambda grad, unit=unit: (unit.gather(), grad)[1])\n"))
+ZERO_MOE_DEADLOCKS = {
+    # exercise: (section, code, the line each waiting rank is named in, who waits, the cause)
+    21: ("zero1-step", ZERO1_RECV_FIRST, "dist.recv(shards[peer], peer)", "recv", (0, 1),
+         "every rank waits to receive and none is sending"),
+    # (a collective through CommStats is named at CommStats' line, in the learner's file too)
+    22: ("zero2", ZERO2_RANK_0_ONLY, "dist.reduce_scatter_single(shard, full)",
+         "reduce_scatter_single", (0,), "every rank calls the same collectives in the same order"),
+    23: ("zero3", ZERO3_RANK_0_ONLY, "dist.all_gather_single(full, shard)", "all_gather_single",
+         (0,), "rank 1 finished while the others wait"),
+    24: ("dispatch", MOE_RECV_FIRST, "dist.recv(rows[peer], peer)", "recv", (0, 1),
+         "every rank waits to receive and none is sending"),
+}
+
+
+@pytest.mark.parametrize("number", sorted(ZERO_MOE_DEADLOCKS))
+def test_a_deadlocked_zero_or_moe_answer_fails_fast_naming_the_ranks(number, tmp_path,
+                                                                     monkeypatch):
+    import os
+    import time
+
+    from snippets.exercises import checks_zero_moe, gang
+
+    # The pages say 5 s; 2 s here keeps the four deadlocks cheap (a correct answer takes 0.1 s).
+    monkeypatch.setattr(checks_zero_moe, "STUCK_AFTER_S", 2.0)
+    section, code, line_text, op, waiting, cause = ZERO_MOE_DEADLOCKS[number]
+    ex = catalog.get(number)
+    start = time.monotonic()
+    result = run_check(ex, workspace_with(tmp_path, {section: code}))
+    assert result.status == "FAIL", result
+    assert time.monotonic() - start < 2.0 + 13, time.monotonic() - start
+    name = Path(ex.file).name
+    line = next(n for n, text in enumerate((tmp_path / ex.file).read_text().splitlines(), 1)
+                if line_text in text)
+    for rank in waiting:
+        assert (f"rank {rank} is stuck in {op} (your {name} line {line}: {line_text})"
+                in result.message), result.message
+    assert cause in result.message, result.message
+    for pid in gang.LAST_PIDS:  # killed and reaped: no process is left behind
+        assert not os.path.exists(f"/proc/{pid}"), pid
+
+
 def test_a_collective_on_one_rank_in_tensor_parallel_fails_in_seconds(tmp_path):
     import time
 
@@ -771,7 +947,7 @@ def test_a_collective_on_one_rank_in_tensor_parallel_fails_in_seconds(tmp_path):
 
 def test_fresh_stubs_of_the_parallelisms_are_not_started(tmp_path):
     write_stubs(tmp_path)
-    for number in (16, 17, 18, 19, 20):
+    for number in range(16, 25):
         ex = catalog.get(number)
         result = run_check(ex, tmp_path)
         assert result.status == "not started", result
@@ -786,10 +962,11 @@ def test_what_each_rank_printed_comes_with_the_failure(tmp_path):
     for rank in range(4):
         assert f"    rank {rank}: rank {rank} done" in result.message, result.message
 
-def test_the_named_mistake_shown_on_the_parallelisms_page_is_real(tmp_path):
+@pytest.mark.parametrize("case", ["ring-sends-left", "moe-counts-not-exchanged"])
+def test_the_named_mistake_shown_on_the_parallelisms_page_is_real(case, tmp_path):
     from snippets.exercises.__main__ import _report
 
-    number, section, body, _ = PARALLEL_WRONG["ring-sends-left"]
+    number, section, body, _ = PARALLEL_WRONG[case]
     report = _report(run_check(catalog.get(number), workspace_with(tmp_path, {section: body})))
     page = (ROOT / "docs" / "exercises" / "phase-4.md").read_text()
     assert f"```text\n{report}\n```" in page, report

@@ -22,8 +22,9 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The modules that hold the check functions: the model and trainer checks, then the checks of
-# the parallelisms (which run the learner's code on several processes).
-CHECK_MODULES = ("checks.py", "checks_parallel.py")
+# the parallelisms (which run the learner's code on several processes; checks_parallel.py
+# re-exports those of ZeRO and MoE, in checks_zero_moe.py).
+CHECK_MODULES = ("checks.py", "checks_parallel.py", "checks_zero_moe.py")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ SAMPLER_FILE = "snippets/scratch/sampler.py"
 PIPELINE_FILE = "snippets/scratch/pipeline.py"
 TP_FILE = "snippets/scratch/tensor_parallel.py"
 DDP_SCRATCH_FILE = "snippets/scratch/ddp.py"
+ZERO_FILE = "snippets/scratch/zero.py"
+MOE_FILE = "snippets/scratch/moe.py"
 
 EXERCISES: tuple[Exercise, ...] = (
     # ------------------------------------------------------------ phase 1: the model
@@ -466,6 +469,100 @@ EXERCISES: tuple[Exercise, ...] = (
             "self.callback_queued = False; or the next backward never fills a bucket",
         ),
         check="check_overlapped_ddp",
+    ),
+    Exercise(
+        number=21, title="ZeRO1Optimizer.step (zero.py)", file=ZERO_FILE,
+        sections=("zero1-step",), phase=4,
+        task="average the gradients over the ranks, step AdamW on this rank's shard only, then "
+             "all-gather every rank's updated shard into the full parameters",
+        concept="ZeRO-1: optimizer state sharded (Week 2)",
+        difficulty="Easy-Medium (4-5 lines)",
+        hints=(
+            "self.flat_grads holds every parameter's gradient end to end (each p.grad is a view "
+            "of it): self.comm.all_reduce(self.flat_grads) sums it over the ranks, in place",
+            "all_reduce sums: divide by dist.get_world_size() for the mean, as DDP does. AdamW "
+            "would hide a factor N in the weights, but not in a clipped or logged gradient",
+            "self.optimizer is an AdamW over self.shard, a view of this rank's slice of the "
+            "weights and of the gradients: self.optimizer.step() updates that slice only, "
+            "with moments for 1/N of the parameters",
+            "then every rank needs every updated slice: self.comm.all_gather(self.flat.full, "
+            "self.flat.local(self.flat.full)). AFTER the step; gathered before it, the other "
+            "shards stay one step behind",
+        ),
+        check="check_zero1",
+    ),
+    Exercise(
+        number=22, title="ZeRO2Optimizer._grad_ready (zero.py)", file=ZERO_FILE,
+        sections=("zero2",), blank=("ZeRO2Optimizer._grad_ready",), phase=4,
+        task="count bucket i's gradients; when the last one is in, reduce-scatter the bucket's "
+             "flat gradient so this rank receives the mean of its own shard, add it to the "
+             "shard's .grad, free the full gradients and reset the count",
+        concept="ZeRO-2: gradients reduce-scattered, not all-reduced (Week 2)",
+        difficulty="Medium (12-15 lines)",
+        hints=(
+            "autograd calls this hook once per parameter of bucket i: self.ready[i] += 1 and "
+            "return until it equals len(bucket.params); before that some .grad do not exist",
+            "received = torch.empty_like(self.shards[i]); self.comm.reduce_scatter(received, "
+            "bucket.flat_grad()) gives this rank the SUM of its shard over the ranks: divide "
+            "by dist.get_world_size()",
+            "shard.grad = received the first time, shard.grad += received after that: with "
+            "gradient accumulation several backwards add into one step",
+            "then p.grad = None for each p in bucket.params (ZeRO-2's saving: only the shard "
+            "remains), self.ready[i] = 0 for the next backward, and self.reduced[i] = True "
+            "(step() checks it)",
+        ),
+        check="check_zero2",
+    ),
+    Exercise(
+        number=23, title="ZeRO-3's gather, free and re-gather (zero.py)", file=ZERO_FILE,
+        sections=("zero3-unit", "zero3"),
+        blank=("ShardedUnit.gather", "ShardedUnit.free", "ZeRO3._after_forward"), phase=4,
+        task="gather: give the unit's flat buffer its bytes back and all-gather the shards into "
+             "it; free: release those bytes; after a unit's forward, free it and hook its "
+             "outputs so backward gathers it again just before it needs the weights",
+        concept="ZeRO-3: parameters sharded, gathered just in time (Week 2)",
+        difficulty="Medium (about 12 lines in 3 methods)",
+        hints=(
+            "the parameters are views of self.flat.full, and autograd keeps views of them for "
+            "backward: free the BYTES, not the tensor, with self.flat.full.untyped_storage()."
+            "resize_(0), and grow them back with resize_(self.full_bytes); every view then "
+            "sees the weights again",
+            "gather: if not self.gathered, resize, then self.comm.all_gather(self.flat.full, "
+            "self.shard.detach()), then self.gathered = True; free: if self.gathered, "
+            "resize_(0) and self.gathered = False. The flag makes a second call do nothing",
+            "_after_forward(unit, output): unit.free(), then for t in tensors_in(output) that "
+            "require grad, t.register_hook(...) with a function that calls unit.gather() and "
+            "returns the gradient unchanged",
+            "backward reaches a unit's output gradient just before the unit's own backward: "
+            "that is when its weights must be back. The forward pre-hook (gather) and the "
+            "gradient hook (reduce-scatter, then free) are already registered in __init__",
+        ),
+        check="check_zero3",
+    ),
+    Exercise(
+        number=24, title="dispatch_to_experts (moe.py)", file=MOE_FILE,
+        sections=("dispatch",), blank=("dispatch_to_experts",), phase=4,
+        task="exchange the per-expert counts with an all_to_all, send each row to the rank "
+             "holding its expert, run the local experts on their rows grouped by expert, and "
+             "send the results back in the order the rows came",
+        concept="Expert parallelism: two all_to_alls, counts first (Week 3)",
+        difficulty="Medium-Hard (about 15 lines)",
+        hints=(
+            "counts first: recv_per_expert = torch.empty_like(tokens_per_expert); "
+            "dist.all_to_all_single(recv_per_expert, tokens_per_expert, group=group). Now "
+            "recv_per_expert.view(world, local)[s, j] is what rank s sends to your expert j",
+            "the splits are per rank: send_splits = tokens_per_expert.view(world, local)"
+            ".sum(dim=1).tolist(), recv_splits the same of recv_per_expert; then received = "
+            "AllToAll.apply(inputs, send_splits, recv_splits, group), which gradients can "
+            "pass through",
+            "the received rows are ordered by source rank, then expert: split them by "
+            "recv_per_expert.tolist() and concatenate the pieces expert by expert before "
+            "moe.run_local_experts(rows, counts.sum(dim=0))",
+            "split the outputs again (expert, then source) and put them back in (source, "
+            "expert) order, then AllToAll.apply(back, recv_splits, send_splits, group): "
+            "the splits swapped on the way back",
+        ),
+        check="check_moe_dispatch",
     ),
 )
 

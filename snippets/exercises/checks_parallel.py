@@ -679,3 +679,14 @@ def check_overlapped_ddp(learner: ModuleType) -> list[str]:
             "the ranks (fp32, 1e-5)",
             "every async all-reduce is waited on before its bucket is unpacked",
             "the second backward synchronises too: the per-backward state is reset"]
+
+
+# ---------------------------------------------------------------- exercises 21-24
+# ZeRO 1-3 and the MoE dispatch have their own module; the runner finds every parallel check
+# here, and the forkserver's preload of this module imports theirs too.
+from snippets.exercises.checks_zero_moe import (  # noqa: E402
+    check_moe_dispatch,
+    check_zero1,
+    check_zero2,
+    check_zero3,
+)

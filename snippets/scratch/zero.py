@@ -163,11 +163,13 @@ class ZeRO1Optimizer:
                 # .grad was set to None or replaced (model.zero_grad()): back into the buffer
                 g.copy_(p.grad if p.grad is not None else torch.zeros_like(g))
                 p.grad = g
+        # --8<-- [start:zero1-step]
         self.comm.all_reduce(self.flat_grads)  # every rank gets the summed gradient...
         self.flat_grads /= dist.get_world_size()  # ...then the mean, as in DDP
         self.optimizer.step()  # AdamW on this rank's shard only: 1/N of the moments exist here
         shard = self.flat.local(self.flat.full)
         self.comm.all_gather(self.flat.full, shard)  # every rank gets every updated shard
+        # --8<-- [end:zero1-step]
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()  # in place: the parameters' .grad stay views into it
