@@ -150,6 +150,26 @@ def test_course_timeout():
         assert int(value) == course_timeout_s(), f"docs/workshop/session-c/demo.md:{line}"
 
 
+def test_exercise_15_check_timeout():
+    # exercises/phase-3.md: a rank that skips get_state_dict is reported after the check's own
+    # collective timeout, the timeout_s that check_fsdp_checkpoint passes to snippets.dist.spawn.
+    page = "exercises/phase-3.md"
+    [(line, (value,))] = stated(page, r"the check reports that after (\d+) seconds")
+    from snippets.exercises import checks
+    src = inspect.getsource(checks.check_fsdp_checkpoint)
+    [passed] = re.findall(r"spawn\(_fsdp_checkpoint_worker, .*timeout_s=(\d+)\)", src)
+    assert int(value) == int(passed), f"docs/{page}:{line}: the check passes timeout_s={passed}"
+    assert f"a rank waited {passed} s for the other" in src, "the check's own message disagrees"
+
+
+def test_youngs_checkpoint_interval_in_lab_2():
+    # workshop/session-b/lab-2.md, challenge 2: Young's interval sqrt(2 x save x MTBF).
+    page = "workshop/session-b/lab-2.md"
+    [(line, (save, hours, interval))] = stated(
+        page, r"with a (\d+)-minute\s+save and a failure every (\d+) hours, about every (\d+) minutes")
+    assert round(math.sqrt(2 * int(save) * 60 * int(hours))) == int(interval), f"docs/{page}:{line}"
+
+
 def test_nccl_async_error_handling_defaults():
     page = "reference/environment-variables.md"
     [(line, (default, torchrun))] = stated(
