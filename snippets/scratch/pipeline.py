@@ -135,13 +135,13 @@ class StageTrace:
 # --8<-- [start:run-schedule]
 def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: int,
                  micro_inputs: list, micro_targets: list, loss_fn, activation_shape: tuple,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, group=None):
     """Run one step's forwards and backwards on this stage, in the order `actions` gives.
 
     Activations go to rank stage_index + 1 and gradients to rank stage_index - 1 with isend,
     which returns at once: a rank blocks only on the recv of something it needs, or on a send
     its neighbour needs before the one it posts next, so no order of sends can deadlock. The
-    tag is the micro-batch index.
+    tag is the micro-batch index. Ranks are counted within `group` (the world by default).
     Returns (the mean loss over the micro-batches on the last stage, else None; the trace).
     """
     first, last = stage_index == 0, stage_index == num_stages - 1
@@ -157,7 +157,7 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
         # and free its tensor now, not at the end of the step: one send per neighbour lives.
         if dst in in_flight:
             in_flight.pop(dst)[0].wait()
-        in_flight[dst] = (dist.isend(tensor, dst=dst, tag=i), tensor)
+        in_flight[dst] = (dist.isend(tensor, group=group, group_dst=dst, tag=i), tensor)
 
     for kind, i in actions:
         if kind == "F":
@@ -165,7 +165,7 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
                 x = micro_inputs[i]
             else:
                 x = torch.empty(activation_shape, dtype=dtype)
-                dist.recv(x, src=stage_index - 1, tag=i)
+                dist.recv(x, group=group, group_src=stage_index - 1, tag=i)
                 x.requires_grad_()  # so that backward produces the gradient to send back
             with trace.op("F", i):
                 y = stage(x)
@@ -182,7 +182,7 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
             grad = None  # on the last stage y is the loss: backward starts from it
             if not last:
                 grad = torch.empty_like(y)
-                dist.recv(grad, src=stage_index + 1, tag=i)
+                dist.recv(grad, group=group, group_src=stage_index + 1, tag=i)
             with trace.op("B", i):
                 torch.autograd.backward(y, grad)  # adds into .grad: accumulates over micro-batches
             if not first:
@@ -194,7 +194,8 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
 
 
 # --8<-- [start:train-step]
-def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int) -> None:
+def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int,
+                              group=None) -> None:
     """With tied embeddings, one matrix is both the first stage's embedding and the last stage's
     output head. Each of the two ranks holds a copy and computed part of its gradient; exchange
     the parts and add them, so both copies take the same update and stay equal."""
@@ -203,8 +204,8 @@ def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int
     weight = stage.embed_tokens.weight if stage_index == 0 else stage.lm_head.weight
     peer = num_stages - 1 if stage_index == 0 else 0
     other = torch.empty_like(weight.grad)
-    work = dist.isend(weight.grad, dst=peer)
-    dist.recv(other, src=peer)
+    work = dist.isend(weight.grad, group=group, group_dst=peer)
+    dist.recv(other, group=group, group_src=peer)
     work.wait()
     weight.grad += other  # a + b == b + a exactly, so both copies get the same bits
 
@@ -216,10 +217,11 @@ def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline_train_step(stage: GPTStage, schedule, tokens: torch.Tensor, num_micro_batches: int,
-                        stage_index: int, num_stages: int):
+                        stage_index: int, num_stages: int, group=None):
     """Forward and backward of one global batch of tokens (B, T+1) through the pipeline; the
     caller then steps its optimizer. Every rank gets the batch: the first stage uses the
-    inputs, the last the targets. Returns (mean loss on the last stage or None, trace)."""
+    inputs, the last the targets. Stage s is rank s of `group` (default: the world).
+    Returns (mean loss on the last stage or None, trace)."""
     batch = tokens.shape[0]
     if batch % num_micro_batches:
         raise ValueError(f"batch size {batch} does not divide into num_micro_batches="
@@ -230,8 +232,8 @@ def pipeline_train_step(stage: GPTStage, schedule, tokens: torch.Tensor, num_mic
     loss, trace = run_schedule(stage, actions, stage_index, num_stages,
                                list(inputs.chunk(num_micro_batches)),
                                list(targets.chunk(num_micro_batches)),
-                               cross_entropy, activation_shape)
-    sync_tied_embedding_grads(stage, stage_index, num_stages)
+                               cross_entropy, activation_shape, group=group)
+    sync_tied_embedding_grads(stage, stage_index, num_stages, group)
     return loss, trace
 # --8<-- [end:train-step]
 
