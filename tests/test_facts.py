@@ -702,3 +702,84 @@ def test_shard_grad_op_keeps_only_weights_whole():
             # (every first dimension of the tiny model is even, so the shards are exact).
             assert r["grads"] == r["total"] // n, r
             assert r["moments"] == 2 * r["total"] // n, r
+
+
+# ---------------------------------------------------------------- Session B slides: arithmetic and the recorded run
+
+SESSION_B = "workshop/session-b/slides.md"
+
+
+def test_session_b_ring_latency_arithmetic():
+    # The tree section's premise (5 µs per step, an assumption) and what follows from it.
+    [(line, (n, steps, us, ms))] = stated(
+        SESSION_B, r"At ([\d,]+) GPUs that is ([\d,]+) steps; at (\d+) µs each \(an optimistic latency"
+                   r" across nodes\) an all-reduce costs (\d+) ms")
+    n, steps = int(n.replace(",", "")), int(steps.replace(",", ""))
+    assert steps == 2 * (n - 1), f"docs/{SESSION_B}:{line}"
+    assert round(steps * int(us) / 1000) == int(ms), f"docs/{SESSION_B}:{line}"
+    [(line, (tree, n_tree))] = stated(SESSION_B, r"\\\(2\\log_2 N\\\) steps, (\d+) at ([\d,]+) GPUs")
+    assert int(tree) == 2 * math.log2(int(n_tree.replace(",", ""))), f"docs/{SESSION_B}:{line}"
+
+
+def _gradient_bytes(config: str) -> tuple[int, int, int]:
+    """(tensors, total fp32 gradient bytes, largest tensor's bytes) of the course GPT at `config`."""
+    from snippets.models.gpt import GPT, get_config
+    with torch.device("meta"):
+        params = list(GPT(get_config(config)).parameters())
+    return len(params), 4 * sum(p.numel() for p in params), 4 * max(p.numel() for p in params)
+
+
+def test_session_b_gradient_sizes():
+    # Formulas, not measurements: parameter counts times 4 bytes, from the models themselves.
+    tensors, total, largest = _gradient_bytes("gpt2-small")
+    [(line, (count, emb))] = stated(SESSION_B, r"GPT-2 small has (\d+) tensors,\s+from a 3 KB norm gain to a"
+                                               r" (\d+) MiB embedding")
+    assert (int(count), int(emb)) == (tensors, largest // 2**20), f"docs/{SESSION_B}:{line}"
+    [(line, (mib,))] = stated(SESSION_B, r"GPT-2 small's (\d+) MiB of fp32 gradients")
+    assert int(mib) == total // 2**20, f"docs/{SESSION_B}:{line}"
+    [(line, (mb,))] = stated(SESSION_B, r"GPT-2 small's\s+fp32 gradients \((\d+) MB\)")
+    assert int(mb) == round(total / 1e6), f"docs/{SESSION_B}:{line}"
+    # The course's small GPT: one 25 MiB bucket, as the recorded DDP run counted.
+    _, small, _ = _gradient_bytes("small")
+    [(line, (small_mb,))] = stated(SESSION_B, r"the course's small GPT has ([\d.]+) MB of gradients, one bucket")
+    assert float(small_mb) == round(small / 1e6, 1), f"docs/{SESSION_B}:{line}"
+    assert small < 25 * 2**20
+    assert _bench("ddp_step_time", "parameters") * 4 == small
+    assert _bench("ddp_step_time", "all_reduces_per_step", "torch DDP 25MB") == 1
+
+
+def test_session_b_exercise_1_arithmetic():
+    # Exercise 1's premise (an algorithm bandwidth of 200 GB/s on 8 GPUs) and its solution.
+    [(line, (gpus, algbw, mb))] = stated(
+        SESSION_B, r"all-reduce of 1 GB on (\d+) GPUs at an algorithm bandwidth of (\d+) GB/s\."
+                   r" What is its bus bandwidth, and how long does an all-reduce of GPT-2 small's"
+                   r" fp32 gradients \((\d+) MB\)")
+    n, algbw, mb = int(gpus), int(algbw), int(mb)
+    [(line, (a, n_minus_1, n_again, busbw))] = stated(
+        SESSION_B, r"\\\(\\text\{busbw\} = (\d+) \\times \\frac\{2 \\cdot (\d+)\}\{(\d+)\} = (\d+)\\\) GB/s")
+    assert (int(a), int(n_minus_1), int(n_again)) == (algbw, n - 1, n), f"docs/{SESSION_B}:{line}"
+    assert int(busbw) == algbw * 2 * (n - 1) / n, f"docs/{SESSION_B}:{line}"
+    [(line, (gb, a, ms))] = stated(SESSION_B, r"\\\(([\d.]+) / (\d+)\\\) s \\\(\\approx\\\) ([\d.]+) ms")
+    assert (float(gb), int(a)) == (mb / 1000, algbw), f"docs/{SESSION_B}:{line}"
+    assert float(ms) == round(mb / 1000 / algbw * 1000, 1), f"docs/{SESSION_B}:{line}"
+
+
+def test_session_b_allreduce_observations_hold_in_bench_json():
+    """What Session B's slides say about the all-reduce run recorded in bench.json."""
+    world = _bench("allreduce_bandwidth", "world_4")
+    rows = world["sizes"]
+    text = page_text(SESSION_B)
+    # The placeholders name rows by index: they must be the sizes the prose names.
+    used = {int(i) for i in re.findall(r"bench:allreduce_bandwidth\.world_4\.sizes\.(\d+)\.", text)}
+    assert used == {2, 6}, used
+    assert (rows[2]["bytes"], rows[6]["bytes"]) == (64 * 2**10, 16 * 2**20)
+    stated(SESSION_B, r"Large messages: under a gigabyte per second, ring or gloo\.\*\* At 16 MB")
+    assert rows[6]["ring"]["busbw_GBps"] < 1 and rows[6]["dist"]["busbw_GBps"] < 1, rows[6]
+    # 64 KB: the bytes at the 16 MB row's bus bandwidth are "a few percent" of the ring's time.
+    stated(SESSION_B, r"At the\s+16 MB row's bandwidth the bytes themselves would take a few percent of that")
+    moved = 64 * 2**10 * world["ring_factor"]
+    bytes_s = moved / (rows[6]["ring"]["busbw_GBps"] * 1e9)
+    assert bytes_s < 0.05 * rows[2]["ring"]["us"] * 1e-6, (bytes_s, rows[2]["ring"]["us"])
+    # NVLink's 450 GB/s per direction (H100 SXM) against gloo's 16 MB bus bandwidth.
+    stated(SESSION_B, r"NCCL on NVLink is hundreds of times faster")
+    assert 100 <= 450 / rows[6]["dist"]["busbw_GBps"] < 1000, rows[6]
