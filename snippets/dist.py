@@ -212,10 +212,11 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 
     # forkserver: a server process imports torch once; each rank is forked from it in
     # milliseconds instead of importing torch again (seconds per rank with plain "spawn").
     ctx = mp.get_context("forkserver")
-    # The first backward pass in a process imports sympy (via symbolic_shapes): about 2.5 s of
-    # CPU per rank unless the server has imported it already.
+    # The first backward pass in a process imports sympy (via symbolic_shapes), and the first
+    # optimizer step imports torch._dynamo: about 2.5 and 3.5 s of CPU per rank unless the
+    # server has imported them already.
     ctx.set_forkserver_preload(["torch", "torch.distributed",
-                                "torch.fx.experimental.symbolic_shapes"])
+                                "torch.fx.experimental.symbolic_shapes", "torch._dynamo"])
     results = ctx.Queue()
     port = free_port()
     procs = [
