@@ -40,6 +40,9 @@ STUCK_AFTER_S = 5.0  # a rank whose worker has not finished by then is taken to 
 STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
 LAST_PIDS: list[int] = []  # the processes of the last run, for the test that none survives
 LAST_PRINTED: list[str] = []  # what each rank of the last run printed
+# Seconds from the last rank starting its worker to the parent having every result: how long
+# the last run took to report a deadlock, without the start-up (imports, joining the group).
+LAST_DETECTION_S: float | None = None
 _FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<name>\S+)')
 
 
@@ -83,6 +86,7 @@ def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
                                 timeout=timedelta(seconds=STARTUP_S + 10 * stuck_after_s))
         learner = _load(path)
         # The worker's time starts now: a slow start (imports, a busy machine) is no deadlock.
+        Path(f"{out}/rank{rank}.start").write_text(repr(time.time()))
         faulthandler.dump_traceback_later(stuck_after_s, exit=True, file=stack)
         result = ("ok", worker(learner, rank, world, *args))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
@@ -128,6 +132,11 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float = STUC
                and time.monotonic() < deadline):
             time.sleep(0.02)
         time.sleep(0.05)  # a rank that dumped its stack and exited: let the file be complete
+        collected = time.time()
+        starts = [Path(out, f"rank{r}.start") for r in range(world)]
+        global LAST_DETECTION_S
+        LAST_DETECTION_S = (collected - max(float(f.read_text()) for f in starts)
+                            if all(f.is_file() for f in starts) else None)
         for p in procs:
             if p.is_alive():
                 p.kill()
