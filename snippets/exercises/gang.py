@@ -4,12 +4,13 @@
 the learner's file (by path) in each, and calls `worker(learner, rank, world, *args)`. It returns
 each rank's value, or raises `Stuck` / `RankFailed` with a message the learner can act on:
 
-- every process arms `faulthandler.dump_traceback_later(stuck_after_s, exit=True)`: a rank still
-  running then writes where it is (its Python stack) and exits by itself;
-- a rank that has finished writes its result and waits (so a peer stuck waiting for it stays
-  stuck, instead of failing with "Connection closed");
-- the parent waits until every rank has a result, or at most stuck_after_s + a margin, then
-  kills whatever is left and waits for it, so no process outlives the check;
+- every process arms `faulthandler.dump_traceback_later(stuck_after_s, exit=False)`: a rank still
+  running then writes where it is (its Python stack) and stays there;
+- a rank that has finished writes its result and waits; so no rank leaves while a peer may still
+  wait on it, and the peer stays stuck where it is instead of failing with "Connection closed";
+- the parent waits until every rank has a result or a stack (or at most a start-up allowance +
+  stuck_after_s + a margin), then kills every process and waits for it, so none outlives the
+  check;
 - from the stacks, `Stuck` names each waiting rank, the torch.distributed call it is in, the line
   of the learner's file that made it, and the likely cause.
 
@@ -87,7 +88,10 @@ def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
         learner = _load(path)
         # The worker's time starts now: a slow start (imports, a busy machine) is no deadlock.
         Path(f"{out}/rank{rank}.start").write_text(repr(time.time()))
-        faulthandler.dump_traceback_later(stuck_after_s, exit=True, file=stack)
+        # exit=False: a stuck rank writes its stack and stays where it is stuck, so a peer that
+        # waits on it goes on waiting and writes its own, instead of seeing "Connection closed
+        # by peer" and looking finished (under load, "reset by peer" too); the parent kills both.
+        faulthandler.dump_traceback_later(stuck_after_s, exit=False, file=stack)
         result = ("ok", worker(learner, rank, world, *args))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
         result = ("error", _describe(err, path))
@@ -124,14 +128,16 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float = STUC
         for p in procs:
             p.start()
         LAST_PIDS[:] = [p.pid for p in procs]
-        # Every rank has a result or has exited (a stuck one dumps its stack and exits by
-        # itself) well before this deadline; it only guards against a rank that cannot.
+        # Every rank has a result, has exited, or has written its stack (stuck) well before
+        # this deadline; it only guards against a rank that cannot.
         deadline = time.monotonic() + STARTUP_S + stuck_after_s + 3
         results = [Path(out, f"rank{r}.pkl") for r in range(world)]
-        while (not all(f.is_file() or not p.is_alive() for f, p in zip(results, procs))
+        dumps = [Path(out, f"rank{r}.stack") for r in range(world)]
+        while (not all(f.is_file() or not p.is_alive() or (d.is_file() and d.stat().st_size)
+                       for f, d, p in zip(results, dumps, procs))
                and time.monotonic() < deadline):
             time.sleep(0.02)
-        time.sleep(0.05)  # a rank that dumped its stack and exited: let the file be complete
+        time.sleep(0.2)  # a rank writing its stack or its result: let the file be complete
         collected = time.time()
         starts = [Path(out, f"rank{r}.start") for r in range(world)]
         global LAST_DETECTION_S
@@ -166,8 +172,10 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float = STUC
                          f"{codes[rank]}) saying: {last}{cause}{shown}")
     if any(stack.startswith("Timeout") for stack in stacks):  # the watchdog fired
         for r, res in enumerate(results):
-            if res and res[0] == "error" and "Connection closed by peer" in res[1]:
-                results[r], stacks[r] = None, raised[r]  # it was waiting too
+            if stacks[r].startswith("Timeout"):
+                results[r] = None  # stuck, whatever it did after its stack was written
+            elif res and res[0] == "error" and "Connection closed by peer" in res[1]:
+                results[r], stacks[r] = None, raised[r]  # a peer crashed while it waited
         raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
     errors = [(r, res[1]) for r, res in enumerate(results) if res and res[0] == "error"]
     if errors:
