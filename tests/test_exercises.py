@@ -92,7 +92,7 @@ def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[in
 
 
 def test_catalogue_lists_every_exercise_of_the_guide_once():
-    assert [e.number for e in catalog.EXERCISES] == list(range(1, 25))
+    assert [e.number for e in catalog.EXERCISES] == list(range(1, 27))
     assert {e.number for e in AVAILABLE} >= set(range(1, 8))
     for ex in catalog.EXERCISES:
         assert ex.title and ex.concept and ex.difficulty and ex.task
@@ -160,10 +160,10 @@ def test_stubs_never_overwrite_edited_files_without_force(tmp_path):
 # ---------------------------------------------------------------- checks accept correct code
 
 
-# The checks of exercises 15, 16 and 19-24 start processes; `check all` in the CLI test below
+# The checks of exercises 15, 16 and 19-26 start processes; `check all` in the CLI test below
 # runs them on the solutions, so they are not run a second time here.
 @pytest.mark.parametrize("ex", [ex for ex in AVAILABLE
-                                if ex.number not in (15, 16, 19, 20, 21, 22, 23, 24)],
+                                if ex.number not in (15, 16, *range(19, 27))],
                          ids=lambda e: f"exercise-{e.number}")
 def test_every_check_passes_on_the_solutions(ex):
     result = run_check(ex, solutions_workspace())
@@ -172,7 +172,7 @@ def test_every_check_passes_on_the_solutions(ex):
 
 
 def test_cli_check_all_on_the_solutions_and_on_fresh_stubs(tmp_path):
-    # 24 checks, 13 of them on gloo processes: about 30 s on an idle 2-core machine
+    # 26 checks, 15 of them on gloo processes: about 33 s on an idle 2-core machine
     solutions = cli("check", "all", "--workspace", ".", timeout=300)
     assert solutions.returncode == 0, solutions.stdout + solutions.stderr
     assert f"{len(AVAILABLE)} of {len(AVAILABLE)} available exercises pass" in solutions.stdout
@@ -962,7 +962,7 @@ def test_a_collective_on_one_rank_in_tensor_parallel_fails_in_seconds(tmp_path):
 
 def test_fresh_stubs_of_the_parallelisms_are_not_started(tmp_path):
     write_stubs(tmp_path)
-    for number in range(16, 25):
+    for number in range(16, 27):
         ex = catalog.get(number)
         result = run_check(ex, tmp_path)
         assert result.status == "not started", result
@@ -992,3 +992,177 @@ def test_parallel_check_names_a_planted_mistake(case, tmp_path):
     result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
     assert result.status == "FAIL", result
     assert explanation in result.message, result.message
+
+
+# ---------------------------------------------------------------- sequence parallelism, 3-D groups
+
+SP_COLLECTIVES = solution_section(catalog.SP_FILE, "collectives")
+SP_EDGES = solution_section(catalog.SP_FILE, "enter-and-leave")
+SP_REPLICATED = solution_section(catalog.SP_FILE, "replicated-grads")
+MESH = solution_section(catalog.THREE_D_FILE, "mesh")
+SP_GATHER_BACKWARD = ('        ctx.stats.record("backward", "reduce_scatter", grad)\n'
+                      "        return reduce_scatter_sequence(grad, ctx.group), None, None")
+SP_PARALLEL_WRONG = {
+    "sp-gathered-along-batch": (25, "collectives", edited(SP_COLLECTIVES, (
+        "    mine = shard.movedim(1, 0).contiguous()\n", "    mine = shard.contiguous()\n"), (
+        "    return full.movedim(0, 1).contiguous()", "    return full")),
+        "gathered along the batch dimension instead of the sequence"),
+    "sp-wrong-rank-order": (25, "collectives", edited(SP_COLLECTIVES, (
+        "    return full.movedim(0, 1).contiguous()",
+        "    blocks = full.movedim(0, 1).chunk(dist.get_world_size(group), dim=1)\n"
+        "    return torch.cat(blocks[::-1], dim=1)")),
+        "shards concatenated in the wrong rank order: positions 0-3, 4-7 of the sequence hold "
+        "the tokens of ranks [1, 0]"),
+    "sp-backward-all-reduced": (25, "enter-and-leave", edited(SP_EDGES, (
+        SP_GATHER_BACKWARD,
+        '        ctx.stats.record("backward", "reduce_scatter", grad)\n'
+        "        grad = grad.clone()\n        dist.all_reduce(grad, group=ctx.group)\n"
+        "        return grad, None, None")),
+        "the whole sequence's, N = 2 times too large. Backward all-reduced instead of "
+        "reduce-scattered"),
+    "sp-backward-all-reduced-then-sliced": (25, "enter-and-leave", edited(SP_EDGES, (
+        SP_GATHER_BACKWARD,
+        '        ctx.stats.record("backward", "reduce_scatter", grad)\n'
+        "        grad = grad.clone()\n        dist.all_reduce(grad, group=ctx.group)\n"
+        "        world, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)\n"
+        "        return grad.chunk(world, dim=1)[rank], None, None")),
+        "the values are right, but a (B, T, h) activation or gradient was all-reduced where SP "
+        "reduce-scatters"),
+    "sp-norm-grads-not-reduced": (25, "replicated-grads", edited(SP_REPLICATED, (
+        "        dist.all_reduce(grad, group=group)\n", "")),
+        "forgot to all-reduce the norm weights' gradients: partial sums"),
+}
+GROUPS_3D_WRONG = {
+    "3d-dp-over-world": (26, "mesh", edited(MESH, (
+        "    return mine",
+        "    mine[\"dp\"] = dist.group.WORLD  # every rank holds a copy of the model: average\n"
+        "    return mine")),
+        "averaging over the world: every rank's DP group holds all 8 ranks"),
+    "3d-dp-over-stage": (26, "mesh", edited(MESH, (
+        "        for ranks in mesh.groups(axis):\n",
+        "        stages = [[r for r in range(mesh.size) if mesh.coords(r)[\"pp\"] == p]\n"
+        "                  for p in range(mesh.pp)]\n"
+        "        for ranks in (stages if axis == \"dp\" else mesh.groups(axis)):\n")),
+        "averaging over the stage group (DP x TP): rank 0's DP group is [0, 1, 4, 5]"),
+    "3d-tp-outermost": (26, "mesh", edited(MESH, (
+        "        return [[self.rank(**{axis: i, others[0]: a, others[1]: b})",
+        "        return [[replace(self, order=self.order[::-1]).rank(\n"
+        "                     **{axis: i, others[0]: a, others[1]: b})")),
+        "your groups lay the ranks out with TP outermost: consecutive ranks (one node) land in "
+        "other TP groups"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SP_PARALLEL_WRONG))
+def test_sp_check_names_a_planted_mistake(case, tmp_path):
+    number, section, body, explanation = SP_PARALLEL_WRONG[case]
+    result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
+    assert result.status == "FAIL", result
+    assert explanation in result.message, result.message
+
+
+@pytest.mark.parametrize("case", sorted(GROUPS_3D_WRONG))
+def test_3d_groups_check_names_a_planted_mistake_without_processes(case, tmp_path):
+    from snippets.exercises import gang
+
+    number, section, body, explanation = GROUPS_3D_WRONG[case]
+    gang.LAST_PIDS.clear()
+    result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
+    assert result.status == "FAIL", result
+    assert explanation in result.message, result.message
+    # the wrong membership comes with the layout expected, rank by rank, and the learner's
+    assert "expected (TP innermost: rank = ((d * pp) + p) * tp + t):" in result.message
+    assert "       0   0  0  0  [0, 1]    [0, 2]    [0, 4]" in result.message, result.message
+    assert gang.LAST_PIDS == []  # judged on 8 simulated ranks: no process was started
+
+
+def test_the_3d_mistake_shown_on_the_parallelisms_page_is_real(tmp_path):
+    from snippets.exercises.__main__ import _report
+
+    number, section, body, _ = GROUPS_3D_WRONG["3d-dp-over-stage"]
+    report = _report(run_check(catalog.get(number), workspace_with(tmp_path, {section: body})))
+    page = (ROOT / "docs" / "exercises" / "phase-4.md").read_text()
+    assert f"```text\n{report}\n```" in page, report
+
+
+def test_fresh_stubs_of_sp_and_3d_raise_the_stub_message(tmp_path):
+    from snippets.exercises.runner import load_learner_module
+
+    write_stubs(tmp_path)
+    sp = load_learner_module(tmp_path / catalog.SP_FILE)
+    with pytest.raises(NotImplementedError, match=r"^Exercise 25: SP's gather and scatter "
+                       r"edges .*Check with: python -m snippets.exercises check 25$"):
+        sp.all_gather_sequence(None, None)
+    three_d = load_learner_module(tmp_path / catalog.THREE_D_FILE)
+    with pytest.raises(NotImplementedError, match=r"^Exercise 26: the 3-D process groups "
+                       r".*Check with: python -m snippets.exercises check 26$"):
+        three_d.Mesh(2, 2, 2).groups("tp")
+    for number in (25, 26):
+        result = run_check(catalog.get(number), tmp_path)
+        assert result.status == "not started", result
+
+
+# Only rank 0 all-reduces the norm's gradient: rank 1 finishes, rank 0 waits for it.
+SP_RANK_0_ONLY = edited(SP_REPLICATED, (
+    "        dist.all_reduce(grad, group=group)\n",
+    "        if dist.get_rank() == 0:\n            dist.all_reduce(grad, group=group)\n"))
+# Each rank creates only its own groups: as many calls on every rank, but the ranks disagree on
+# which group is which (on gloo that hangs or connects the wrong ranks, by timing: named from
+# the simulation, without processes).
+MESH_OWN_GROUPS_ONLY = edited(MESH, (
+    "            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))\n"
+    "            if rank in ranks:\n                mine[axis] = group\n",
+    "            if rank in ranks:\n"
+    "                mine[axis] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))\n"))
+# Rank 0 alone creates the groups: it waits in new_group for peers that never come.
+MESH_RANK_0_ONLY = edited(MESH, (
+    "    for axis in (\"tp\", \"pp\", \"dp\"):\n",
+    "    for axis in ((\"tp\", \"pp\", \"dp\") if rank == 0 else ()):  # set up once, on rank 0\n"))
+
+
+def test_3d_groups_created_in_different_orders_are_named_without_processes(tmp_path):
+    from snippets.exercises import gang
+
+    gang.LAST_PIDS.clear()
+    result = run_check(catalog.get(26), workspace_with(tmp_path, {"mesh": MESH_OWN_GROUPS_ONLY}))
+    assert result.status == "FAIL", result
+    assert ("new_group not called on every rank in the same order" in result.message
+            and "call 2 was new_group([0, 2]) on rank 0 but new_group([1, 3]) on rank 1"
+            in result.message), result.message
+    assert gang.LAST_PIDS == []
+
+SP_3D_DEADLOCKS = {
+    # exercise: (section, code, the line each waiting rank is named in, its call, who waits,
+    # the cause the check gives)
+    25: ("replicated-grads", SP_RANK_0_ONLY, "dist.all_reduce(grad, group=group)", "all_reduce",
+         (0,), "rank 1 finished while the others wait"),
+    26: ("mesh", MESH_RANK_0_ONLY,
+         "group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))", "new_group",
+         (0,), "Why: new_group not called on every rank in the same order"),
+}
+
+
+@pytest.mark.parametrize("number", sorted(SP_3D_DEADLOCKS))
+def test_a_deadlocked_sp_or_3d_answer_fails_fast_naming_the_ranks(number, tmp_path, monkeypatch):
+    import os
+    import time
+
+    from snippets.exercises import checks_sp_3d, gang
+
+    monkeypatch.setattr(checks_sp_3d, "STUCK_AFTER_S", 2.0)  # as for ZeRO and MoE above
+    section, code, line_text, op, waiting, cause = SP_3D_DEADLOCKS[number]
+    ex = catalog.get(number)
+    start = time.monotonic()
+    result = run_check(ex, workspace_with(tmp_path, {section: code}))
+    assert result.status == "FAIL", result
+    assert_reported_by_the_watchdog(time.monotonic() - start, 2.0)
+    assert "a deadlock: after 2 s these ranks are still waiting" in result.message
+    name = Path(ex.file).name
+    line = next(n for n, text in enumerate((tmp_path / ex.file).read_text().splitlines(), 1)
+                if line_text in text)
+    for rank in waiting:
+        assert (f"rank {rank} is stuck in {op} (your {name} line {line}: {line_text})"
+                in result.message), result.message
+    assert cause in result.message, result.message
+    for pid in gang.LAST_PIDS:  # killed and reaped: no process is left behind
+        assert not os.path.exists(f"/proc/{pid}"), pid

@@ -23,8 +23,9 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The modules that hold the check functions: the model and trainer checks, then the checks of
 # the parallelisms (which run the learner's code on several processes; checks_parallel.py
-# re-exports those of ZeRO and MoE, in checks_zero_moe.py).
-CHECK_MODULES = ("checks.py", "checks_parallel.py", "checks_zero_moe.py")
+# re-exports those of ZeRO and MoE, in checks_zero_moe.py, and of sequence parallelism and the
+# 3-D groups, in checks_sp_3d.py).
+CHECK_MODULES = ("checks.py", "checks_parallel.py", "checks_zero_moe.py", "checks_sp_3d.py")
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ TP_FILE = "snippets/scratch/tensor_parallel.py"
 DDP_SCRATCH_FILE = "snippets/scratch/ddp.py"
 ZERO_FILE = "snippets/scratch/zero.py"
 MOE_FILE = "snippets/scratch/moe.py"
+SP_FILE = "snippets/scratch/sequence_parallel.py"
+THREE_D_FILE = "snippets/scratch/three_d.py"
 
 EXERCISES: tuple[Exercise, ...] = (
     # ------------------------------------------------------------ phase 1: the model
@@ -563,6 +566,61 @@ EXERCISES: tuple[Exercise, ...] = (
             "the splits swapped on the way back",
         ),
         check="check_moe_dispatch",
+    ),
+    Exercise(
+        number=25, title="SP's gather and scatter edges (sequence_parallel.py)",
+        file=SP_FILE, sections=("collectives", "enter-and-leave", "replicated-grads"),
+        blank=("all_gather_sequence", "reduce_scatter_sequence", "GatherSequence.forward",
+               "GatherSequence.backward", "ScatterSequence.forward", "ScatterSequence.backward",
+               "all_reduce_gradient_of"),
+        phase=4,
+        task="all-gather the tokens along the sequence and reduce-scatter them back; entering a "
+             "TP region, all-gather in forward and reduce-scatter the gradient in backward; "
+             "leaving it, the converse; and all-reduce the gradient of a weight outside the "
+             "regions, which saw only this rank's tokens",
+        concept="Sequence parallelism (Megatron-LM): TP's all-reduce split into its two halves",
+        difficulty="Medium (about 20 lines in 7 short functions)",
+        hints=(
+            "dist.all_gather_single(full, mine, group=group) and dist.reduce_scatter_single("
+            "mine, full, group=group) work along dimension 0, the batch here: move the "
+            "sequence there first, shard.movedim(1, 0).contiguous(), and back after with "
+            "movedim(0, 1); rank i's tokens are block i of the sequence",
+            "the output of all_gather_sequence is (B, T, h) from (B, T/N, h) on each rank; "
+            "reduce_scatter_sequence gives (B, T/N, h): the sum over the ranks, this rank's "
+            "tokens only",
+            "GatherSequence: forward all_gather_sequence, backward reduce_scatter_sequence (every "
+            "rank's column slice used every token, so each rank's gradient for a token is a "
+            "partial sum); ScatterSequence: forward reduce_scatter_sequence, backward "
+            "all_gather_sequence. Keep group and stats on ctx; backward returns grad, None, None",
+            "record each collective where it is made: stats.record('forward', 'all_gather', "
+            "full), stats.record('backward', 'reduce_scatter', grad), and so on",
+            "all_reduce_gradient_of: param.register_hook(hook), where hook clones the gradient, "
+            "records it as ('backward', 'all_reduce'), all-reduces it over the group and "
+            "returns it",
+        ),
+        check="check_sequence_parallel",
+    ),
+    Exercise(
+        number=26, title="the 3-D process groups (three_d.py)", file=THREE_D_FILE,
+        sections=("mesh",), blank=("Mesh.groups", "build_groups"), phase=4,
+        task="list every group along an axis of the mesh (the ranks whose other two "
+             "coordinates are equal), and create every TP, PP and DP group on every rank, in "
+             "the same order, keeping the one this rank belongs to for each axis",
+        concept="3-D parallelism: which ranks average gradients together (Week 4)",
+        difficulty="Easy-Medium (about 12 lines in 2 functions)",
+        hints=(
+            "self.coords(rank) and self.rank(dp=..., pp=..., tp=...) convert between a rank and "
+            "its coordinates in the layout, TP innermost: rank = ((d * pp) + p) * tp + t. A "
+            "group along axis fixes the other two coordinates and runs this one over its range",
+            "Mesh(2, 2, 2).groups('tp') is [[0, 1], [2, 3], [4, 5], [6, 7]]: consecutive ranks, "
+            "one node; groups('dp') is [[0, 4], [1, 5], [2, 6], [3, 7]]",
+            "the DP group, over which gradients are averaged, is the replicas of the same stage "
+            "AND the same TP shard: not the world, not every rank of the stage",
+            "dist.new_group(ranks, timeout=timedelta(seconds=timeout_s)) is a collective of the "
+            "whole world: every rank calls it for every group of every axis, in the same order, "
+            "and keeps the group when rank in ranks",
+        ),
+        check="check_3d_groups",
     ),
 )
 

@@ -681,9 +681,11 @@ def check_overlapped_ddp(learner: ModuleType) -> list[str]:
             "the second backward synchronises too: the per-backward state is reset"]
 
 
-# ---------------------------------------------------------------- exercises 21-24
-# ZeRO 1-3 and the MoE dispatch have their own module; the runner finds every parallel check
-# here, and the forkserver's preload of this module imports theirs too.
+# ---------------------------------------------------------------- exercises 21-26
+# ZeRO 1-3 and the MoE dispatch, then sequence parallelism and the 3-D groups, have their own
+# modules; the runner finds every parallel check here, and the forkserver's preload of this
+# module imports theirs too.
+from snippets.exercises.checks_sp_3d import check_3d_groups, check_sequence_parallel  # noqa: E402
 from snippets.exercises.checks_zero_moe import (  # noqa: E402
     check_moe_dispatch,
     check_zero1,
