@@ -374,3 +374,39 @@ def test_calculator_schedule_order_is_the_course_schedule_code():
                          text=True, check=True).stdout
     for (name, m, stage, p), got in zip(cases, json.loads(out)):
         assert [(k, i) for k, i, _ in got] == SCHEDULES[name](m, stage, p), (name, m, stage, p)
+
+
+# The two figures drawn from real runs (snippets/figures/memory_timeline.py, ddp_trace.py), on
+# the pages that show them, at a desktop and a phone width.
+MEASURED_FIGURES = {"workshop/session-a/slides/": "memory-timeline.svg",
+                    "workshop/session-b/slides/": "ddp-trace.svg"}
+
+
+def test_measured_figures_load_and_fit_desktop_and_phone(browser_page, site_url):
+    page, requests, errors = browser_page
+    try:
+        for width in (1280, 390):
+            page.set_viewport_size({"width": width, "height": 900})
+            for path, name in MEASURED_FIGURES.items():
+                page.goto(site_url + path)
+                image = page.locator(f"article img[src$='assets/figures/{name}']")
+                assert image.count() == 1, f"{path}: no <img> of {name}"
+                image.scroll_into_view_if_needed()
+                image.wait_for(state="visible")
+                page.wait_for_function("el => el.complete", arg=image.element_handle())
+                got = image.evaluate(
+                    "el => { const r = el.getBoundingClientRect(); return {natural: "
+                    "el.naturalWidth, width: r.width, height: r.height, left: r.left, "
+                    "right: r.right, viewport: document.documentElement.clientWidth, "
+                    "alt: el.getAttribute('alt')}; }")
+                where = f"{name} at {width} px"
+                assert got["natural"] > 0, f"{where}: the image did not load"
+                assert got["width"] > 0 and got["height"] > 0, where
+                assert got["left"] >= 0 and got["right"] <= got["viewport"] + 0.5, (
+                    f"{where}: wider than the viewport ({got})")
+                assert got["alt"] and len(got["alt"]) > 40, f"{where}: no text alternative"
+    finally:
+        page.set_viewport_size({"width": 1280, "height": 900})
+    assert not errors, f"JavaScript errors: {errors}"
+    assert all(urlparse(u).hostname in LOOPBACK_HOSTS for u in requests
+               if not u.startswith(("data:", "blob:")))

@@ -110,3 +110,79 @@ def test_interleaved_figure_is_drawn_from_the_interleaved_schedule():
             if label != "1F1B":
                 assert [a[:3] for a in acts] == interleaved_schedule(m, r, p, v,
                                                                      "zero" in label)
+
+
+def test_memory_timeline_rises_in_forward_falls_in_backward_and_checkpointing_lowers_the_peak():
+    """snippets/figures/memory_timeline.py. Its values are byte counts, so the committed SVG is
+    compared byte for byte by test_figure_matches_its_generator above; here, what the curves must
+    show: memory rises through forward and falls through backward, the step ends where it began
+    (nothing of it stays alive), and checkpointing lowers the peak by recomputing each block."""
+    from snippets.figures.memory_timeline import timeline
+
+    peaks = {}
+    for checkpointed in (False, True):
+        samples = timeline(checkpointed)
+        assert [s.phase for s in samples] == sorted(
+            (s.phase for s in samples), key=["forward", "backward", "optimizer"].index)
+        forward = [s.live for s in samples if s.phase == "forward"]
+        grads = [s.live for s in samples if s.where.startswith("grad ")]
+        # Rises through forward: each layer adds what it keeps for backward.
+        assert forward[-1] > forward[0] and forward[-1] == max(forward), checkpointed
+        # Falls through backward: from the end of forward down to the last gradient, as
+        # activations are freed faster than gradients are allocated.
+        assert grads[-1] < grads[0] < forward[-1], checkpointed
+        assert grads == sorted(grads, reverse=True) or checkpointed  # plain: at every gradient
+        assert samples[-1].live == samples[0].live, "the step left tensors alive"
+        recomputed = [s for s in samples if s.where.startswith("recompute ")]
+        assert bool(recomputed) == checkpointed
+        peaks[checkpointed] = max(s.live for s in samples)
+    assert peaks[True] < peaks[False]
+
+
+def test_ddp_trace_all_reduces_overlap_backward_only_when_overlapped():
+    """snippets/figures/ddp_trace.py draws one recorded run (timings vary by machine, so its
+    bytes are compared with the committed record, not with a new run). Here: the run is done
+    again, and in it and in the committed record, every naive all-reduce (one per gradient)
+    starts after backward has ended and at least one overlapped all-reduce (one per bucket)
+    starts before; the committed SVG draws one backward bar and every all-reduce of each rank."""
+    import json
+
+    from snippets.figures import ddp_trace
+    from snippets.models.gpt import GPT, get_config
+    from snippets.scratch.ddp import make_buckets
+
+    model = GPT(get_config(ddp_trace.CONFIG))
+    expected = {"naive": len(list(model.parameters())),
+                "overlapped": len(make_buckets(model, ddp_trace.BUCKET_CAP_MB))}
+    assert expected["overlapped"] > 1  # else there would be nothing to overlap
+
+    def check(record, where):
+        for variant in ddp_trace.VARIANTS:
+            assert len(record[variant]) == ddp_trace.WORLD_SIZE, where
+            for rank, trace in enumerate(record[variant]):
+                what = (where, variant, rank)
+                bw_start, bw_end = trace["backward"]
+                assert bw_start < bw_end <= trace["backward_call_ends"], what
+                assert len(trace["all_reduces"]) == expected[variant], what
+                assert all(start <= end for start, end in trace["all_reduces"]), what
+                early = ddp_trace.started_before_backward_ended(trace)
+                assert (early == 0) if variant == "naive" else (early >= 1), (what, trace)
+
+    committed = json.loads(ddp_trace.RECORD.read_text(encoding="utf-8"))
+    check(committed, "committed record")
+    check(ddp_trace.measure(), "a new run")
+
+    root = ET.fromstring((FIGURES / f"{ddp_trace.NAME}.svg").read_text(encoding="utf-8"))
+    rects = root.iter(f"{SVG_NS}rect")
+    drawn = {}
+    for r in rects:
+        if r.get("data-kind"):
+            key = (r.get("data-variant"), int(r.get("data-rank")), r.get("data-kind"))
+            drawn.setdefault(key, []).append((float(r.get("x")), float(r.get("width"))))
+    for variant in ddp_trace.VARIANTS:
+        for rank in range(ddp_trace.WORLD_SIZE):
+            (backward,) = drawn[variant, rank, "backward"]
+            bars = drawn[variant, rank, "all-reduce"]
+            assert len(bars) == expected[variant]
+            early = [x for x, _ in bars if x < backward[0] + backward[1]]
+            assert (not early) if variant == "naive" else early, (variant, rank)
