@@ -1,6 +1,6 @@
 """The order in which pytest-xdist hands out test files: longest first.
 
-`make test` runs the suite on three workers with `--dist loadfile`, one file at a time per worker.
+`make test` runs the suite on four workers with `--dist loadfile`, one file at a time per worker.
 xdist's default hands out the files with the most tests first, which is not the same as the
 longest: the site build (test_site.py, 7 tests, about 3 minutes) came near the end and ran alone
 while the other workers had finished. Handing out the longest files first (the classic
@@ -10,7 +10,7 @@ The seconds per file come from a previous run, kept in file_seconds.json; a file
 (a new one) counts as 0 and goes last, in the order pytest collected it. Refresh the table after a
 large change with:
 
-    python -m pytest -n 3 --dist loadfile --junitxml=/tmp/suite.xml
+    python -m pytest -n 4 --dist loadfile --no-loadscope-reorder --junitxml=/tmp/suite.xml
     python tests/schedule.py /tmp/suite.xml
 
 Only the order changes: each file still runs on one worker, its tests in their own order.
