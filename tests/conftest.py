@@ -78,7 +78,10 @@ def pytest_collection_modifyitems(items):
 def pytest_runtest_protocol(item, nextitem):
     """With SUITE_CPU_LOG=dir, each worker appends every test's CPU seconds (its own and its
     finished child processes') and wall seconds to dir/<worker>.tsv: where the suite's CPU goes,
-    which the wall-clock durations of a parallel run do not show."""
+    which the wall-clock durations of a parallel run do not show. The child count misses
+    processes nobody waits for (multiprocessing's forkserver and its workers), so a fifth column
+    adds the whole machine's busy CPU seconds over the test, from /proc/stat: exact in a serial
+    run (TEST_WORKERS=0) on an otherwise idle machine, meaningless in a parallel one."""
     folder = os.environ.get("SUITE_CPU_LOG")
     if not folder:
         yield
@@ -91,10 +94,14 @@ def pytest_runtest_protocol(item, nextitem):
                      (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
         return own.ru_utime + own.ru_stime + kids.ru_utime + kids.ru_stime
 
-    start_cpu, start_wall = cpu(), time.monotonic()
+    def machine_busy() -> float:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return (sum(fields[:8]) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")  # not idle, not iowait
+
+    start_cpu, start_wall, start_busy = cpu(), time.monotonic(), machine_busy()
     yield
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / f"{worker}.tsv", "a") as log:
         log.write(f"{item.nodeid}\t{cpu() - start_cpu:.2f}\t{time.monotonic() - start_wall:.2f}\t"
-                  f"{time.time():.1f}\n")
+                  f"{time.time():.1f}\t{machine_busy() - start_busy:.2f}\n")
