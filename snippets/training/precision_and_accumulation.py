@@ -43,7 +43,9 @@ def median_seconds(candidates: dict, repeats: int = 5, warmup: int = 1,
     With `budget_s`, the rounds stop as soon as they have taken longer than that in all
     (warm-up included), after at least one measured round: a CPU without bf16 instructions
     emulates bf16 10-100x slower than fp32, a gap one round shows as well as fifteen, in
-    seconds instead of minutes."""
+    seconds instead of minutes. If the warm-up alone took longer than the budget, its times
+    are the measurement: what a first call adds (allocating, choosing kernels) is
+    milliseconds, negligible against calls that take seconds."""
     times = {name: [] for name in candidates}
     spent = 0.0
     for round_index in range(warmup + repeats):
@@ -52,9 +54,10 @@ def median_seconds(candidates: dict, repeats: int = 5, warmup: int = 1,
             fn()
             elapsed = clock() - start
             spent += elapsed
-            if round_index >= warmup:  # the first calls allocate memory and pick kernels
-                times[name].append(elapsed)
-        if budget_s is not None and round_index >= warmup and spent > budget_s:
+            times[name].append(elapsed)
+        if round_index == warmup - 1 and not (budget_s is not None and spent > budget_s):
+            times = {name: [] for name in candidates}  # the first calls allocate, pick kernels
+        elif budget_s is not None and spent > budget_s:
             break
     return {name: statistics.median(t) for name, t in times.items()}
 # --8<-- [end:timing]
@@ -87,7 +90,7 @@ def forward_backward(model, inputs, targets, dtype: torch.dtype | None = None) -
 
 
 def autocast_speed(sizes=(("tiny", 16), ("small", 8), ("medium", 2)), repeats: int = 5,
-                   budget_s: float = 5.0) -> list:
+                   budget_s: float = 2.0) -> list:
     """fp32 vs bf16-autocast step time (forward + backward) for a few model sizes."""
     rows = []
     for name, batch_size in sizes:
@@ -121,7 +124,7 @@ def attention_times(batch: int, heads: int, seq_len: int, head_dim: int,
 
 # --8<-- [start:matmul-casts]
 def matmul_and_cast_times(tokens: int, hidden: int, out: int, repeats: int = 15,
-                          budget_s: float = 5.0) -> dict:
+                          budget_s: float = 2.0) -> dict:
     """One linear layer's matmul, (tokens x hidden) @ (hidden x out): in fp32, in bf16 with
     inputs already bf16, and in bf16 including the two casts autocast makes on every call
     (the fp32 activation and the fp32 weight are converted to bf16 each time)."""
@@ -352,7 +355,7 @@ def mib(n_bytes: float) -> str:
 
 def print_autocast() -> None:
     print("== 1. bf16 autocast vs fp32: forward + backward of one batch (median of 5 rounds; "
-          "fewer where they take over 5 s) ==")
+          "fewer where they take over 2 s) ==")
     print(f"{'config':<8} {'params':>10} {'tokens':>7} {'fp32 ms':>8} {'bf16 ms':>8} "
           f"{'bf16 speed-up':>14}")
     for r in autocast_speed():
