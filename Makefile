@@ -5,6 +5,7 @@
 #   make test       the whole suite: unit and multi-process tests, every code block, site build, browser
 #   make build      mkdocs build --strict into site/, executing every lesson (no cache)
 #   make test-gpu   the CUDA/NCCL-marked tests; fails when no GPU is present
+#   make soak       Session C's two-node c10d demo 20 times: every agent must exit 0 (outside make test)
 #   make bench      the benchmarks, written to bench.json
 #
 # On a Linux machine without a GPU, `make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
@@ -21,7 +22,7 @@ STAMP  := $(VENV)/.installed-$(DEPS_DIGEST)
 TORCH_INDEX_URL ?=
 HOST   ?= 127.0.0.1:8000
 
-.PHONY: serve build test test-gpu bench clean
+.PHONY: serve build test test-gpu soak bench clean
 
 export NO_MKDOCS_2_WARNING := 1
 
@@ -61,6 +62,11 @@ test: $(STAMP)
 
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda
+
+# Session C's two-node c10d demo 20 times over (SOAK_RUNS=N for more): every agent must exit 0.
+# About 15 s of CPU a run, so not part of `make test`, which runs the demo once.
+soak: $(STAMP)
+	SOAK=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_teardown_soak.py
 
 bench: $(STAMP)
 	# Native kernels: a benchmark measures what the machine can do (snippets/__init__.py pins them
