@@ -26,6 +26,7 @@ from datetime import datetime, timedelta
 
 import torch.distributed as dist
 
+from snippets.dist import leave_process_group
 from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
 
 
@@ -111,7 +112,7 @@ def main(argv=None) -> None:
     else:
         roll_call(store, rank, world, node_rank)
         staggered_barrier(store, rank, world, args.work_s)
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import re
 
 import torch.distributed as dist
 
-from snippets.dist import init_from_env
+from snippets.dist import init_from_env, leave_process_group
 
 # Variables a launcher (torchrun, SLURM) or the user sets for a distributed job.
 LAUNCH_VARIABLE = re.compile(
@@ -39,7 +39,7 @@ def main() -> None:
         widths = [max(map(len, column)) for column in columns]
         for row in zip(*columns):
             print("  ".join(f"{cell:<{w}}" for cell, w in zip(row, widths)).rstrip())
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
 
 
 if __name__ == "__main__":

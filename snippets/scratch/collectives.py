@@ -76,7 +76,7 @@ def measure_all_reduce(all_reduce, numel: int, repeats: int = 5) -> dict:
 
 
 def main() -> None:
-    from snippets.dist import init_from_env
+    from snippets.dist import init_from_env, leave_process_group
 
     env = init_from_env("gloo")
     rank, world = env["rank"], env["world_size"]
@@ -94,7 +94,7 @@ def main() -> None:
         theirs = measure_all_reduce(dist.all_reduce, numel)
         if rank == 0:
             print(f"{numel * 4 / 2**20:>8.2f}MB {ours['busbw_GBps']:>12.3f} {theirs['busbw_GBps']:>12.3f}")
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from snippets.dist import init_from_env
+from snippets.dist import init_from_env, leave_process_group
 
 
 def starting_tensor(rank: int, world: int) -> torch.Tensor:
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
     for collective in COLLECTIVES:
         if args.only in (None, collective.__name__):
             report(collective, rank, world)
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Dataset
 
 from snippets.data.dataset import load_tokens
-from snippets.dist import init_from_env, run_main
+from snippets.dist import init_from_env, leave_process_group, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import (RunExistsError, load_checkpoint, save_checkpoint,
                                           unwrap_model)
@@ -235,7 +235,7 @@ def main(argv=None) -> None:
                 break
     # --8<-- [end:loop]
     log.info(f"done: {step} steps, final global loss {mean_loss.item() / world:.4f}")
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
 
 
 if __name__ == "__main__":
