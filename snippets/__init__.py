@@ -1,5 +1,33 @@
 """The course's runnable code: every block on the site is included from this package.
 
+Where each kind of thing lives:
+
+    models/      the tiny GPT (gpt.py), its fused path, nanoGPT's model as a yardstick
+    data/        tokenizers (bytes, BPE), the corpus, token files and shards, batch samplers
+    basics/      Session A's first steps: autograd graph, forward-backward-update, memory table
+    scratch/     each parallelism built from torch.distributed primitives only, one file each,
+                 at most 300 lines: collectives, sampler, ddp, zero (on flat_shard), pipeline,
+                 pipeline_interleaved, tensor_parallel, sequence_parallel, context_parallel,
+                 moe, expert_data_parallel, three_d, precision; ddp_check and zero_check run
+                 two of them against one process
+    parallel/    the library versions of the same ideas, applied to a plain model: DTensor
+                 tensor parallelism (and 2-D with FSDP2), pipelining, sequence and context
+                 parallelism; FSDP2 itself is in training/fsdp_trainer.py, DeepSpeed in
+                 cluster/deepspeed/, Accelerate in training/
+    training/    the trainers and the lesson scripts (train_tiny_transformer, ddp_trainer,
+                 fsdp_trainer, accelerate_train, ...), checkpoints, command-line flag checks
+    cluster/     more than one node: the fake multi-node launcher, SLURM scripts, DeepSpeed
+                 (deepspeed/), Kubernetes (k8s/), ranked checkpoints, log merging
+    planner/     the memory / FLOPs / communication cost model behind the calculator page
+    bench/       `make bench`'s benchmarks (listed in bench/__init__.py), and the measurements
+                 and runs the lessons show (zero_accounting, moe_check, tensor_parallel_check)
+    exercises/   the learning guide's exercises: catalogue, stubs, checks, runner
+    debugging/   errors a learner meets, reproduced on purpose
+    figures/     the scripts that draw the site's figures
+    notebooks/   the nbdistributed notebook and its helper
+    dist.py      starting torch.distributed (every group with a timeout), spawn
+    machine.py   the machine a run happened on, and the device to train on
+
 Importing it pins the CPU kernels that PyTorch picks by instruction set, so a page's printed
 numbers come out the same on any x86-64 machine with AVX2 (every Intel CPU since 2013 and every
 AMD Zen), not only on the one that wrote the page:

@@ -7,10 +7,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from snippets.bench.moe_check import main as moe_check_main, train_moe_gpt
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, MLP, get_config
 from snippets.scratch.moe import (MoE, apply_expert_parallel, capacity_mask, is_expert_parameter,
-                                  load_balancing_loss, swap_mlps_for_moe, train_moe_gpt)
+                                  load_balancing_loss, swap_mlps_for_moe)
 
 TOKENS_PER_RANK, TOP_K, AUX_WEIGHT = 48, 2, 0.1
 
@@ -182,3 +183,13 @@ def test_tiny_gpt_with_moe_trains():
     assert last["lm_loss"] < first["lm_loss"] - 1.0
     assert 0.9 < last["aux_loss"] < 2.0 and 0 <= last["dropped"] < 0.5
 # --8<-- [end:trains]
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--capacity-factor", "0"),
+                                         ("--aux-loss-weight", "-0.1")])
+def test_moe_check_refuses_a_bad_flag_in_one_line(flag, value, capsys):
+    with pytest.raises(SystemExit) as exited:  # refused while parsing, before any training
+        moe_check_main([flag, value])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 1, err
+    assert f"argument {flag}: must be" in err and f"got {value}" in err, err

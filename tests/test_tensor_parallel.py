@@ -10,7 +10,8 @@ import torch
 from snippets.bench import tensor_parallel as bench
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
-from snippets.parallel.tensor_parallel import apply_tp, full_weights, parallelize_2d, train
+from snippets.parallel.tensor_parallel import (apply_tp, full_weights, global_batches,
+                                              parallelize_2d, train)
 from snippets.scratch.tensor_parallel import (
     all_reduce_bytes_per_step,
     apply_tensor_parallel,
@@ -18,6 +19,7 @@ from snippets.scratch.tensor_parallel import (
 )
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+BATCHES = global_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # rows split: dim 0
 ROW_PARALLEL = ("o_proj", "down_proj")  # columns split: dim 1
 
@@ -27,15 +29,10 @@ def make_model(**overrides):
     return GPT(get_config("tiny", **overrides))
 
 
-def global_batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
-
-
 # --8<-- [start:first-step]
 def first_step(model):
     """Logits, loss and every parameter's gradient for the first global batch; no update."""
-    logits, loss = model(*shift_for_next_token(global_batches()[0]))
+    logits, loss = model(*shift_for_next_token(BATCHES[0]))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -53,7 +50,7 @@ def scratch_tp(rank, world_size):
     stats = apply_tensor_parallel(model)
     logits, loss, grads = first_step(model)
     step_stats = dict(vars(stats))  # what one forward + backward sent
-    train(model, global_batches())  # TP splits the model, not the data: every rank, whole batch
+    train(model, BATCHES)  # TP splits the model, not the data: every rank, whole batch
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits, "loss": loss, "grads": grads, "weights": weights,
             "stats": step_stats}
@@ -76,14 +73,14 @@ def dtensor_tp(rank, world_size):
     apply_tp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
     logits, loss, grads = first_step(model)
     grads = {n: g.full_tensor() if hasattr(g, "full_tensor") else g for n, g in grads.items()}
-    train(model, global_batches())
+    train(model, BATCHES)
     return {"logits": logits, "loss": loss, "grads": grads, "weights": full_weights(model)}
 
 
 def two_d(rank, world_size):
     model = make_model()
     mesh = parallelize_2d(model, dp=2, tp=2)
-    train(model, global_batches(), dp_rank=mesh["dp"].get_local_rank(), dp=2)
+    train(model, BATCHES, dp_rank=mesh["dp"].get_local_rank(), dp=2)
     return {"coordinate": tuple(mesh.get_coordinate()), "weights": full_weights(model)}
 # --8<-- [end:dtensor-worker]
 
@@ -104,7 +101,7 @@ def single_device():
     model = make_model()
     logits, loss, grads = first_step(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train(model, global_batches())
+    train(model, BATCHES)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits, "loss": loss, "grads": grads, "weights": weights, "start": start}
 

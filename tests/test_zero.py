@@ -9,13 +9,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
+from snippets.bench.zero_accounting import (
+    expected_model_state_bytes, expected_traffic_bytes, model_state_bytes)
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
+from snippets.scratch.flat_shard import CommStats
+from snippets.scratch.zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 from snippets.scratch.zero_check import full_moments, moment_shards
-from snippets.scratch.zero import (
-    CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
-    expected_traffic_bytes, model_state_bytes)
 
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

@@ -36,9 +36,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.scratch.zero import (
-    CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
-    expected_traffic_bytes, model_state_bytes)
+from snippets.bench.zero_accounting import (
+    expected_model_state_bytes, expected_traffic_bytes, model_state_bytes)
+from snippets.scratch.zero import CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 
 ADAMW = dict(lr=1e-3, weight_decay=0.1)
 STAGES = {"DDP": 0, "ZeRO-1": 1, "ZeRO-2": 2, "ZeRO-3": 3, "FSDP2": 3}

@@ -17,122 +17,19 @@ only, in three stages:
    all-gathered just before its forward and freed after; all-gathered again for its backward;
    its gradients are reduce-scattered and freed.
 
-Every collective goes through a CommStats object that counts the bytes each rank sends, so the
-traffic can be compared with the paper's formulas. Only torch.distributed primitives are used
-(all_reduce, all_gather_single, reduce_scatter_single); tests/test_zero.py checks every stage
-against single-process AdamW training.
+The flat buffer (FlatShard) and the collectives that count the bytes each rank sends (CommStats)
+are in snippets/scratch/flat_shard.py. Only torch.distributed primitives are used (all_reduce,
+all_gather_single, reduce_scatter_single); tests/test_zero.py checks every stage against
+single-process AdamW training, and `python -m snippets.scratch.zero_check` shows it on 2 ranks.
 """
 
 from __future__ import annotations
-
-import math
-from collections import defaultdict
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from snippets.planner.memory import BYTES_PER_PARAM
-
-
-# --8<-- [start:comm]
-class CommStats:
-    """Runs the collectives ZeRO needs and counts the bytes each rank sends.
-
-    "Bytes" means payload bytes sent by one rank under the ring algorithm, for a tensor of
-    `size` bytes (the full tensor: the all-reduced buffer, the gathered output, the
-    reduce-scattered input) on N ranks:
-
-    - all-reduce sends 2(N-1)/N * size (a reduce-scatter pass, then an all-gather pass);
-    - all-gather and reduce-scatter each send (N-1)/N * size.
-
-    gloo and NCCL may pick other algorithms (trees, direct exchange); these are the volumes the
-    ZeRO paper's analysis uses, and the lower bounds for large messages.
-    """
-
-    def __init__(self):
-        self.bytes = defaultdict(int)  # collective name -> bytes sent by this rank
-        self.calls = defaultdict(int)
-
-    def reset(self) -> None:
-        self.bytes.clear()
-        self.calls.clear()
-
-    def count(self, kind: str, full: torch.Tensor) -> None:
-        n = dist.get_world_size()
-        share = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
-                 "reduce_scatter": (n - 1) / n}[kind]
-        self.bytes[kind] += round(share * full.numel() * full.element_size())
-        self.calls[kind] += 1
-
-    def all_reduce(self, tensor: torch.Tensor) -> None:
-        self.count("all_reduce", tensor)
-        dist.all_reduce(tensor)
-
-    def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
-        """full <- every rank's shard, end to end (rank r's at offset r * shard.numel())."""
-        self.count("all_gather", full)
-        dist.all_gather_single(full, shard)
-
-    def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
-        """shard <- the sum over ranks of this rank's slice of full."""
-        self.count("reduce_scatter", full)
-        dist.reduce_scatter_single(shard, full)
-
-    def total(self) -> int:
-        return sum(self.bytes.values())
-# --8<-- [end:comm]
-
-
-# --8<-- [start:flat-shard]
-class FlatShard:
-    """A group of parameters laid end to end in one flat buffer, padded with zeros to a multiple
-    of the world size N, so that it splits into N equal contiguous shards; rank r owns
-    flat[r * S:(r + 1) * S]. Afterwards the parameters are views into `full`, so writing
-    into `full` (an all-gather) writes the model's weights."""
-
-    def __init__(self, params: list[nn.Parameter]):
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "ZeRO shards across the ranks of a process group, and none is initialised: call "
-                "torch.distributed.init_process_group(...) first (or start the script with "
-                "torchrun and call snippets.dist.init_from_env())")
-        if not params:
-            raise ValueError("got no parameters to shard: pass model.parameters() of a model that "
-                             "has trainable parameters (requires_grad=True)")
-        dtypes = {p.dtype for p in params}
-        if len(dtypes) > 1:
-            raise ValueError(f"parameters of one flat buffer must share a dtype, got {dtypes}: "
-                             "convert the model with model.float() (or .bfloat16()) first")
-        self.params = params
-        self.sizes = [p.numel() for p in params]
-        self.numel = sum(self.sizes)
-        world, rank = dist.get_world_size(), dist.get_rank()
-        self.shard_numel = math.ceil(self.numel / world)  # the last shard carries the padding
-        self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
-        self.full = torch.zeros(self.shard_numel * world, dtype=params[0].dtype,
-                                device=params[0].device)
-        with torch.no_grad():
-            torch.cat([p.reshape(-1) for p in params], out=self.full[:self.numel])
-        # Replicas must start equal, as in DDP: everyone takes rank 0's initial weights (once,
-        # at construction, so CommStats does not count it as per-step traffic).
-        dist.broadcast(self.full, src=0)
-        for p, view in zip(params, self.unflatten(self.full)):
-            p.data = view  # the parameter now lives inside the flat buffer
-
-    def unflatten(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        return [t.view_as(p) for t, p in zip(flat[:self.numel].split(self.sizes), self.params)]
-
-    def local(self, flat: torch.Tensor) -> torch.Tensor:
-        """This rank's shard of a flat tensor laid out like `full` (a view, no copy)."""
-        return flat[self.lo:self.hi]
-
-    def flat_grad(self) -> torch.Tensor:
-        """The parameters' gradients in one new padded flat tensor."""
-        flat = torch.zeros_like(self.full)
-        torch.cat([p.grad.reshape(-1) for p in self.params], out=flat[:self.numel])
-        return flat
-# --8<-- [end:flat-shard]
+from snippets.scratch.flat_shard import CommStats, FlatShard
 
 
 # --8<-- [start:zero1]
@@ -357,62 +254,3 @@ def tensors_in(output) -> list[torch.Tensor]:
         return [t for item in output for t in tensors_in(item)]
     return []
 # --8<-- [end:zero3]
-
-
-# --8<-- [start:measure]
-def model_state_bytes(model: nn.Module, optimizer, local=lambda tensor: tensor) -> dict[str, int]:
-    """Bytes this rank holds for parameters, gradients and optimizer state, counted from the
-    storages of the tensors it can reach (each storage once; a freed storage has 0 bytes).
-    `local` maps a library's sharded tensor to this rank's piece (the benchmark's FSDP2 row)."""
-    inner = getattr(optimizer, "optimizer", optimizer)  # ZeRO1/2Optimizer wrap an AdamW
-    params = [*model.parameters(), *(p for group in inner.param_groups for p in group["params"])]
-    held, seen = {"params": 0, "grads": 0, "optimizer": 0}, set()
-
-    def count(kind: str, tensor) -> None:
-        if not isinstance(tensor, torch.Tensor):
-            return
-        storage = local(tensor).untyped_storage()
-        if storage.nbytes() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            held[kind] += storage.nbytes()
-
-    for p in params:
-        count("params", p)
-    for p in params:
-        count("grads", p.grad)
-    for state in inner.state.values():
-        for value in state.values():
-            count("optimizer", value)
-    held["total"] = sum(held.values())
-    return held
-
-
-def expected_model_state_bytes(stage: int, num_params: int, world_size: int,
-                               precision: str = "fp32") -> dict[str, float]:
-    """The paper's per-rank model-state memory. stage 0 is plain data parallelism."""
-    per_param = BYTES_PER_PARAM[precision]
-    table_name = {"params": "weights", "grads": "gradients", "optimizer": "optimizer"}
-    sharded = {"params": stage >= 3, "grads": stage >= 2, "optimizer": stage >= 1}
-    out = {kind: per_param[table_name[kind]] * num_params / (world_size if sharded[kind] else 1)
-           for kind in table_name}
-    out["total"] = sum(out.values())
-    return out
-
-
-def expected_traffic_bytes(stage: int, num_params: int, world_size: int,
-                           bytes_per_elem: int = 4) -> dict[str, float]:
-    """Bytes one rank sends per step (ring volumes, see CommStats) for this file's stages."""
-    size, f = num_params * bytes_per_elem, (world_size - 1) / world_size
-    return {
-        0: {"all_reduce": 2 * f * size},  # DDP
-        1: {"all_reduce": 2 * f * size, "all_gather": f * size},  # as built here: 1.5x DDP
-        2: {"reduce_scatter": f * size, "all_gather": f * size},  # = DDP's volume
-        3: {"reduce_scatter": f * size, "all_gather": 2 * f * size},  # 1.5x DDP
-    }[stage]
-# --8<-- [end:measure]
-
-
-if __name__ == "__main__":
-    from snippets.scratch.zero_check import main
-
-    main()

@@ -12,9 +12,9 @@ import torch
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
-from snippets.scratch.zero import (
-    CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3, expected_model_state_bytes,
-    expected_traffic_bytes, model_state_bytes)
+from snippets.bench.zero_accounting import (
+    expected_model_state_bytes, expected_traffic_bytes, model_state_bytes)
+from snippets.scratch.zero import CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
