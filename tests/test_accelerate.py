@@ -141,3 +141,23 @@ def test_multi_gpu_and_cpu_flags_together_are_rejected(tmp_path):
     result = accelerate_launch(tmp_path, ["--multi_gpu", "--cpu", "--num_processes", "2"])
     assert result.returncode != 0
     assert "You can only use one of `--cpu`, `--multi_gpu`" in result.stderr
+
+
+def test_a_new_run_removes_only_the_files_save_state_writes(tmp_path):
+    from snippets.training.accelerate_train import remove_saved_state
+
+    for name in ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "notes.txt"]:
+        (tmp_path / name).write_text("x")
+    (tmp_path / "mine").mkdir()
+    remove_saved_state(str(tmp_path))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt"]
+
+
+@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--batch-size", "-1"), ("--lr", "0")])
+def test_bad_numbers_are_refused_in_one_line_naming_the_flag(capsys, flag, value):
+    from snippets.training.accelerate_train import parse_args
+
+    with pytest.raises(SystemExit) as exit_:
+        parse_args([flag, value])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and len(err.strip().splitlines()) == 1 and flag in err

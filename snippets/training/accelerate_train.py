@@ -18,7 +18,6 @@ rebuilt so each process loads its own share of every epoch's batches, onto its d
 
 import argparse
 import os
-import shutil
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import load_tokens
+from snippets.training.flags import Parser, int_at_least, positive_float
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.ddp_simulation_train import Windows
 
@@ -46,12 +46,13 @@ class IndexedWindows(Dataset):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int, default=8, help="sequences per process per step")
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--steps", type=int_at_least(1), default=20, help="optimizer steps in total")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8,
+                   help="sequences per process per step")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--cpu", action="store_true",
                    help="Accelerator(cpu=True): run on the CPU, and join the launched processes\n"
                         "into one gloo job even though there is no GPU")
@@ -60,6 +61,18 @@ def parse_args(argv=None):
     p.add_argument("--allow-independent", action="store_true",
                    help="demo of the trap: run even if every process trains its own copy alone")
     return p.parse_args(argv)
+
+
+# The files accelerator.save_state writes (accelerate/checkpointing.py): only these are removed
+# before a new run saves into the same folder; anything else there is the learner's and stays.
+SAVED_STATE = ("model*.safetensors", "pytorch_model*.bin", "optimizer*.bin", "scheduler*.bin",
+               "sampler*.bin", "scaler.pt", "random_states_*.pkl", "custom_checkpoint_*.pkl")
+
+
+def remove_saved_state(state_dir: str) -> None:
+    for pattern in SAVED_STATE:
+        for path in Path(state_dir).glob(pattern):
+            path.unlink()
 
 
 # --8<-- [start:check-launch]
@@ -123,7 +136,7 @@ def main(argv=None) -> None:
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     if accelerator.is_main_process:  # a new run's saved state never mixes with an old run's files
-        shutil.rmtree(args.state_dir, ignore_errors=True)
+        remove_saved_state(args.state_dir)
 
     accelerator.print(f"{accelerator.distributed_type.value}: {accelerator.num_processes} "
                       f"processes, backend {accelerator.state.backend}")
