@@ -5,21 +5,18 @@ import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.ddp import BucketedDDP, NaiveDDP, OverlappedDDP
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 
 
 def make_model():
     torch.manual_seed(0)
     return GPT(get_config("tiny"))
-
-
-def global_batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
 def train(model, batches, sync=lambda: None, micro_batches=1, no_sync=None):
@@ -54,7 +51,7 @@ def ddp_worker(rank, world_size, variant, micro_batches):
             "overlapped": lambda m: OverlappedDDP(m, bucket_cap_mb=0.1),
             "torch": lambda m: DistributedDataParallel(m, bucket_cap_mb=0.1)}[variant]
     ddp = wrap(model)
-    shards = [b.chunk(world_size)[rank] for b in global_batches()]  # this rank's slice
+    shards = [b.chunk(world_size)[rank] for b in BATCHES]  # this rank's slice
     sync = ddp.sync_gradients if variant in ("naive", "bucketed") else (lambda: None)
     no_sync = ddp.no_sync if variant in ("overlapped", "torch") else None
     train(ddp, shards, sync, micro_batches, no_sync)
@@ -64,7 +61,7 @@ def ddp_worker(rank, world_size, variant, micro_batches):
 
 def single_process(micro_batches=1):
     model = make_model()
-    train(model, global_batches(), micro_batches=micro_batches)
+    train(model, BATCHES, micro_batches=micro_batches)
     return model.state_dict()
 
 

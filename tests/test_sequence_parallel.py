@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
+from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.parallel.sequence_parallel import apply_sp
@@ -18,6 +19,7 @@ from snippets.scratch.sequence_parallel import apply_sequence_parallel, collecti
 from snippets.scratch.tensor_parallel import all_reduce_bytes_per_step, apply_tensor_parallel
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
+BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # rows split: dim 0
 ROW_PARALLEL = ("o_proj", "down_proj")  # columns split: dim 1
 
@@ -27,14 +29,9 @@ def make_model():
     return GPT(get_config("tiny"))
 
 
-def global_batches():
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
-
-
 def first_step(model):
     """Logits, loss and every parameter's gradient for the first global batch; no update."""
-    logits, loss = model(*shift_for_next_token(global_batches()[0]))
+    logits, loss = model(*shift_for_next_token(BATCHES[0]))
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -81,7 +78,7 @@ def scratch_sp(rank, world_size):
     stats = apply_sequence_parallel(model)
     logits, loss, grads = first_step(model)
     step_stats = {"calls": dict(stats.calls), "payload": dict(stats.payload)}
-    train(model, global_batches())  # every rank is handed the whole batch; it takes its tokens
+    train(model, BATCHES)  # every rank is handed the whole batch; it takes its tokens
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits, "loss": loss, "grads": grads, "weights": weights,
             "stats": step_stats, "sp": block_activations(world_size, True),
@@ -93,7 +90,7 @@ def dtensor_sp(rank, world_size):
 
     model = make_model()
     apply_sp(model, init_device_mesh("cpu", (world_size,), mesh_dim_names=("tp",)))
-    logits, loss, grads = dtensor_first_step(model, global_batches()[0])
+    logits, loss, grads = dtensor_first_step(model, BATCHES[0])
     return {"logits": logits.full_tensor().detach(), "loss": loss.full_tensor().item(),
             "grads": grads, "tied": model.lm_head.weight is model.embed_tokens.weight,
             "placements": {n: p.placements for n, p in model.named_parameters()}}
@@ -123,7 +120,7 @@ def single_device():
     model = make_model()
     logits, loss, grads = first_step(model)
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    train(model, global_batches())
+    train(model, BATCHES)
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
     return {"logits": logits, "loss": loss, "grads": grads, "weights": weights, "start": start}
 

@@ -10,8 +10,8 @@ import torch
 from snippets.bench import tensor_parallel as bench
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
-from snippets.parallel.tensor_parallel import (apply_tp, full_weights, global_batches,
-                                              parallelize_2d, train)
+from snippets.data.dataset import random_token_batches
+from snippets.parallel.tensor_parallel import apply_tp, full_weights, parallelize_2d, train
 from snippets.scratch.tensor_parallel import (
     all_reduce_bytes_per_step,
     apply_tensor_parallel,
@@ -19,7 +19,7 @@ from snippets.scratch.tensor_parallel import (
 )
 
 STEPS, GLOBAL_BATCH, SEQ = 3, 8, 16
-BATCHES = global_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
+BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # rows split: dim 0
 ROW_PARALLEL = ("o_proj", "down_proj")  # columns split: dim 1
 

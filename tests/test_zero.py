@@ -13,10 +13,13 @@ from snippets.bench.zero_accounting import (
     expected_model_state_bytes, expected_traffic_bytes, model_state_bytes)
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
+from snippets.data.dataset import random_token_batches
+from snippets.scratch.ddp_check import GLOBAL_BATCH, SEQ, STEPS  # the DDP check's batches
 from snippets.scratch.flat_shard import CommStats
 from snippets.scratch.zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
 from snippets.scratch.zero_check import full_moments, moment_shards
+
+BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 
 
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -102,7 +105,7 @@ def zero_worker(rank, world_size, stages, compare_with_torch=False):
             net = ZeRO3(model, comm=comm)
             optimizer = torch.optim.AdamW(net.parameters(), **ADAMW)
             flats = [unit.flat for unit in net.units]
-        shard_batches = [b.chunk(world_size)[rank] for b in global_batches()]  # this rank's slice
+        shard_batches = [b.chunk(world_size)[rank] for b in BATCHES]  # this rank's slice
         held, traffic = train(net, optimizer, shard_batches, comm, measure=lambda: (
             model_state_bytes(model, optimizer), dict(comm.bytes)))
         results[stage] = {
@@ -119,7 +122,7 @@ def zero_worker(rank, world_size, stages, compare_with_torch=False):
 def single_process():
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    train(model, optimizer, global_batches())
+    train(model, optimizer, BATCHES)
     names = {id(p): n for n, p in model.named_parameters()}
     moments = {names[id(p)]: s["exp_avg"] for p, s in optimizer.state.items()}
     return {n: p.detach() for n, p in model.named_parameters()}, moments
@@ -217,7 +220,7 @@ def torch_zero_worker(rank, world_size):
         dist.broadcast(p.data, src=0)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
                                         **ADAMW)
-    for batch in global_batches():
+    for batch in BATCHES:
         inputs, targets = shift_for_next_token(batch.chunk(world_size)[rank])
         model(inputs, targets)[1].backward()
         for p in model.parameters():  # what DDP would do: average the gradients

@@ -90,6 +90,16 @@ class RandomWindowSampler:
 # --8<-- [end:random-sampler]
 
 
+def random_token_batches(steps: int, batch_size: int, seq_len: int, vocab_size: int = 256,
+                         seed: int = 1) -> list[torch.Tensor]:
+    """`steps` batches of random tokens, (batch_size, seq_len + 1) each, the same on every rank
+    and in one process: the data of the course's equivalence checks (a parallel run against
+    one process), where what is learned does not matter, only that both see the same tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab_size, (batch_size, seq_len + 1), generator=g)
+            for _ in range(steps)]
+
+
 # --8<-- [start:sequential-batches]
 def sequential_batches(tokens: torch.Tensor, batch_size: int, context_length: int,
                        max_batches: int | None = None) -> Iterator[torch.Tensor]:

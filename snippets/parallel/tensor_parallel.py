@@ -23,6 +23,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from snippets.data.dataset import random_token_batches
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
 
@@ -105,11 +106,6 @@ def full_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # --8<-- [start:demo]
-def global_batches(steps: int = 3, batch_size: int = 8, seq_len: int = 32) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (batch_size, seq_len + 1), generator=g) for _ in range(steps)]
-
-
 def train(model: torch.nn.Module, batches, dp_rank: int = 0, dp: int = 1) -> list[float]:
     """The single-device loop: each data-parallel rank takes its slice of every global batch."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -128,7 +124,7 @@ def demo_worker(rank: int, world_size: int) -> dict:
     model = GPT(get_config("tiny"))
     mesh = parallelize_2d(model, dp=2, tp=2)
     q = model.layers[0].self_attn.q_proj.weight
-    losses = train(model, global_batches(), mesh["dp"].get_local_rank(), dp=2)
+    losses = train(model, random_token_batches(3, 8, 32), mesh["dp"].get_local_rank(), dp=2)
     return {"coordinate": mesh.get_coordinate(), "losses": losses,
             "q_placements": q.placements, "q_local": tuple(q.to_local().shape),
             "weights": full_weights(model)}
@@ -140,7 +136,7 @@ def main() -> None:
     torch.manual_seed(0)
     reference = GPT(get_config("tiny"))
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}
-    reference_losses = train(reference, global_batches())
+    reference_losses = train(reference, random_token_batches(3, 8, 32))
     ranks = spawn(demo_worker, 4, timeout_s=120)
     for rank, r in enumerate(ranks):
         print(f"rank {rank} (dp, tp) = {tuple(r['coordinate'])}: losses on its half "

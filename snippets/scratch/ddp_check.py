@@ -12,6 +12,7 @@ tests/test_ddp_scratch.py runs the same comparison with 2 and 4 ranks and agains
 
 import torch
 
+from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.ddp import BucketedDDP, NaiveDDP, OverlappedDDP
@@ -26,11 +27,6 @@ WRAPPERS = {
     "overlapped": lambda m: OverlappedDDP(m, bucket_cap_mb=0.1),
     "no sync": lambda m: m,  # every rank trains alone on its half: the mistake to catch
 }
-
-
-def global_batches() -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, 256, (GLOBAL_BATCH, SEQ + 1), generator=g) for _ in range(STEPS)]
 
 
 def train(model: torch.nn.Module, ddp: torch.nn.Module, batches: list[torch.Tensor]) -> dict:
@@ -52,7 +48,8 @@ def rank_worker(rank: int, world_size: int) -> dict:
     for variant, wrap in WRAPPERS.items():
         torch.manual_seed(0)  # the same initial model on every rank and in the reference
         model = GPT(get_config("tiny"))
-        my_slices = [batch.chunk(world_size)[rank] for batch in global_batches()]
+        batches = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
+        my_slices = [batch.chunk(world_size)[rank] for batch in batches]
         weights[variant] = train(model, wrap(model), my_slices)
     return weights
 
@@ -68,7 +65,8 @@ def main(world_size: int = 2) -> None:
     torch.manual_seed(0)
     model = GPT(get_config("tiny"))
     start = {name: p.detach().clone() for name, p in model.named_parameters()}
-    reference = train(model, model, global_batches())  # one process, the whole global batch
+    batches = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)
+    reference = train(model, model, batches)  # one process, the whole global batch
     per_rank = spawn(rank_worker, world_size)
     for variant in WRAPPERS:
         ranks = [weights[variant] for weights in per_rank]

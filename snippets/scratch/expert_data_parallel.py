@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from snippets.data.dataset import random_token_batches
 from snippets.dist import DEFAULT_TIMEOUT_S, spawn
 from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
 from snippets.scratch.ddp import make_buckets
@@ -32,13 +33,6 @@ from snippets.scratch.three_d import Mesh, average_gradients, build_groups, tole
 EP, DP, EXPERTS, TOP_K = 2, 2, 4, 2
 STEPS, BATCH, SEQ, AUX_WEIGHT, LR = 3, 8, 16, 0.01, 0.5
 CONFIG = get_config("tiny")  # 2 layers, hidden 64: each MoE layer gets 4 SwiGLU experts
-
-
-def global_batches() -> list:
-    """The same STEPS batches of random tokens, (B, T+1) each, on every rank and in one process."""
-    g = torch.Generator().manual_seed(1)
-    return [torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g)
-            for _ in range(STEPS)]
 
 
 # --8<-- [start:layout]
@@ -154,7 +148,7 @@ def train_ep_dp(rank: int, world_size: int, mesh: Mesh, groups: dict,
     dense_buckets, expert_buckets = parallelize_ep_dp(model, groups)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
-    for tokens in global_batches():
+    for tokens in random_token_batches(STEPS, BATCH, SEQ, CONFIG.vocab_size):
         inputs, targets = shift_for_next_token(tokens.chunk(world_size)[rank])
         all_to_all = []
         with count_all_to_all(all_to_all):
@@ -176,7 +170,7 @@ def one_process(world_size: int) -> tuple[dict, list]:
     model = moe_gpt()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     losses = []
-    for tokens in global_batches():
+    for tokens in random_token_batches(STEPS, BATCH, SEQ, CONFIG.vocab_size):
         total, lm = 0, []  # lm: the shards' losses, averaged in rank order as compare does
         for shard in tokens.chunk(world_size):
             _, lm_loss = model(*shift_for_next_token(shard))

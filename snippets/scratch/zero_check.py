@@ -11,10 +11,13 @@ import torch
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.scratch.ddp_check import STEPS, global_batches  # the DDP check's batches
+from snippets.data.dataset import random_token_batches
+from snippets.scratch.ddp_check import GLOBAL_BATCH, SEQ, STEPS  # the DDP check's batches
 from snippets.bench.zero_accounting import (
     expected_model_state_bytes, expected_traffic_bytes, model_state_bytes)
 from snippets.scratch.zero import CommStats, ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
+
+BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 
 ADAMW = dict(lr=1e-2, weight_decay=0.1)
 
@@ -64,7 +67,7 @@ def train_stages(rank, world_size):
     for stage in (1, 2, 3):
         model, comm = make_model(), CommStats()
         net, optimizer = shard(stage, model, comm)
-        for batch in global_batches():
+        for batch in BATCHES:
             comm.reset()
             inputs, targets = shift_for_next_token(batch.chunk(world_size)[rank])  # my slice
             net(inputs, targets)[1].backward()
@@ -81,7 +84,7 @@ def main(world_size: int = 2):
     model = make_model()
     start = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    for batch in global_batches():  # one process, whole global batches
+    for batch in BATCHES:  # one process, whole global batches
         inputs, targets = shift_for_next_token(batch)
         model(inputs, targets)[1].backward()
         optimizer.step()
