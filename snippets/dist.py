@@ -10,7 +10,6 @@ import os
 import pickle
 import queue as queue_module
 import signal
-import socket
 import sys
 import threading
 import time
@@ -21,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+from snippets.ports import free_port
 
 DEFAULT_TIMEOUT_S = 60
 
@@ -192,13 +193,6 @@ def _main_script() -> str:
     import __main__
 
     return getattr(__main__, "__file__", "your_script.py")
-
-
-def free_port() -> int:
-    """A TCP port no one is listening on now (the OS picks it)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --8<-- [start:spawn]

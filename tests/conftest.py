@@ -1,7 +1,6 @@
 """Shared fixtures: the built site (built once per test session) and free loopback ports."""
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -9,13 +8,9 @@ from pathlib import Path
 import pytest
 from filelock import FileLock
 
+from snippets.ports import free_port  # noqa: F401 (the tests import it from here)
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def mkdocs(*args, cwd=ROOT, timeout=600, **env) -> subprocess.CompletedProcess:

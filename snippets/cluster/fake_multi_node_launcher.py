@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 
 from snippets.cluster.node_ranks import RankError, global_ranks, worker_env
+from snippets.ports import free_port
 
 
 @dataclass
@@ -84,14 +85,6 @@ def check_port_free(addr: str, port: int) -> None:
                 "program is using the port. Pick a free one, e.g. "
                 "`python -m snippets.cluster.fake_multi_node_launcher --free-port`, and give "
                 "every node the same --master-port") from None
-
-
-def free_port() -> int:
-    """A TCP port no one is listening on now. (snippets.dist has the same helper, but importing
-    it loads torch: seconds of start-up for a launcher that never touches a tensor.)"""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _follow(worker: Worker, lock: threading.Lock) -> None:
