@@ -66,3 +66,33 @@ def test_scratch_does_not_even_name_the_library_classes():
              for n, line in enumerate(path.read_text().splitlines(), 1)
              for bad in FORBIDDEN if bad in line]
     assert not named, "\n".join(named)
+
+
+# ---------------------------------------------------------------- layout (issue 13)
+
+def test_scratch_files_are_short():
+    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "snippets" / "scratch").glob("*.py"))
+            if (n := len(p.read_text().splitlines())) > 300}
+    assert not long, f"snippets/scratch/ files must be at most 300 lines (move demos to bench/): {long}"
+
+
+def test_no_snippets_module_imports_one_that_imports_it_back():
+    modules = {".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+               for p in (ROOT / "snippets").rglob("*.py")}
+    imports = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):  # imports inside functions count too
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+        imports[name] = {m for m in found if m in modules and m not in (name, "snippets")}
+
+    def reaches(start, goal, seen):
+        return any(m == goal or (m not in seen and not seen.add(m) and reaches(m, goal, seen))
+                   for m in imports[start])
+
+    cycles = sorted(f"{a} -> {b} -> ... -> {a}" for a in imports for b in imports[a]
+                    if reaches(b, a, set()))
+    assert not cycles, "\n".join(cycles)

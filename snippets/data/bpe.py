@@ -23,9 +23,7 @@ from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from snippets.data.corpus import DataError
-
-END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator, one token after training
+from snippets.data.corpus import END_OF_TEXT, DataError
 
 
 # --8<-- [start:bpe-tokenizer]

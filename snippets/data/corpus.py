@@ -32,6 +32,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+END_OF_TEXT = "<|endoftext|>"  # GPT-2's document separator; the BPE tokenizer makes it one token
 BUILTIN_SEED = 1234
 BUILTIN_TARGET_BYTES = 300_000
 

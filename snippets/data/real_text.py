@@ -36,8 +36,7 @@ import unicodedata
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from snippets.data.bpe import END_OF_TEXT
-from snippets.data.corpus import DataError
+from snippets.data.corpus import END_OF_TEXT, DataError
 
 MIN_CHARACTERS = 200  # shorter documents are navigation stubs and error pages on the web
 
