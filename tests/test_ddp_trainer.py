@@ -17,7 +17,8 @@ import torch
 
 from snippets.models.gpt import get_config
 from snippets.training.checkpoint import CheckpointError
-from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig, main
+from snippets.machine import DeviceError
+from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig, main, pick_trainer_device
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "snippets" / "training" / "ddp_trainer.py"
@@ -267,6 +268,23 @@ def test_half_set_launch_environment_is_a_clear_error(monkeypatch):
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(LaunchError, match="MASTER_ADDR, MASTER_PORT not set.*torchrun"):
         make_trainer()
+
+
+@pytest.mark.parametrize("world_size,expected", [(None, "mps"), ("1", "mps"), ("2", "cpu")])
+def test_auto_device_avoids_mps_with_several_processes(monkeypatch, world_size, expected):
+    # A Mac without CUDA, alone or under torchrun: gloo carries CPU and CUDA tensors only.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    if world_size is None:
+        monkeypatch.delenv("WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("WORLD_SIZE", world_size)
+    device, note = pick_trainer_device("auto")
+    assert device.type == expected
+    assert (note is not None) == (expected == "cpu")
+    if world_size == "2":
+        with pytest.raises(DeviceError, match="--device mps works in one process only"):
+            pick_trainer_device("mps")
 
 
 def test_effective_batch_counts_accumulation_and_processes():

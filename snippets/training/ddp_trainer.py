@@ -36,7 +36,7 @@ from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
 from snippets.dist import init_from_env, run_main
-from snippets.machine import pick_device
+from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
 from snippets.training.checkpoint import (
@@ -441,12 +441,29 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
         grad_clip=args.grad_clip, seed=args.seed, data=args.data)
 
 
+def pick_trainer_device(preference: str) -> tuple[torch.device, str | None]:
+    """pick_device, plus one rule for several processes (WORLD_SIZE > 1) without CUDA: they talk
+    through gloo, which carries CPU and CUDA tensors only (torch 2.13.0,
+    `Backend.backend_capability` in torch/distributed/distributed_c10d.py), so 'auto' takes the
+    CPU instead of Apple's MPS and an explicit 'mps' is refused. Returns the device and a note
+    for the log when 'auto' fell back, else None."""
+    device = pick_device(preference)
+    if device.type != "mps" or int(os.environ.get("WORLD_SIZE", 1)) <= 1:
+        return device, None
+    if preference == "mps":
+        raise DeviceError("--device mps works in one process only: several processes "
+                          "talk through gloo, which carries CPU and CUDA tensors only; "
+                          "use --device cpu")
+    return torch.device("cpu"), ("note: --device auto chose cpu, not mps: several processes "
+                                 "talk through gloo, which carries CPU and CUDA tensors only")
+
+
 # --8<-- [start:main]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         # DDP seam: under torchrun each process then takes cuda:LOCAL_RANK (see __init__).
-        device = pick_device(args.device)
+        device, device_note = pick_trainer_device(args.device)
     except (ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -461,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     tc = trainer.train_config
+    if device_note:
+        trainer.log(device_note)
     trainer.log(f"device {device} | model {args.model_size}: "
                 f"{trainer.raw_model.num_parameters():,} parameters | data: {tc.data}")
     trainer.log(f"effective batch = micro-batch {tc.batch_size} x accumulation "
