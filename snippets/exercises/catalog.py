@@ -1,14 +1,14 @@
 """The learning guide's exercises, one entry each: where the solution lives and how it is checked.
 
 An exercise is a section of a real module, between `# --8<-- [start:exercise-N]` and
-`# --8<-- [end:exercise-N]` (one exercise may own several sections, like 11's save and load).
-The stub generator blanks those sections out of a copy of the module; the checker imports the
-learner's copy and runs the function named in `check` from snippets/exercises/checks.py (or, for
-the parallelisms, checks_parallel.py); the exercise pages include the same sections as the
-solutions. Where a section holds more than the exercise (the course's from-scratch modules,
-whose sections the lessons include), `blank` names the functions whose bodies are blanked
-instead, signatures and docstrings kept. So adding an exercise is adding an
-entry here, its sections in the module, and its check function: nothing else has to change.
+`# --8<-- [end:exercise-N]` (one exercise may own several sections, like 11's save and load). The
+stub generator blanks those sections out of a copy of the module; the checker imports the learner's
+copy and runs the function named in `check` from one of CHECK_MODULES; the exercise pages
+include the same sections as the solutions. Where a section holds more than the exercise (the
+course's from-scratch modules, whose sections the lessons include), `blank` names the functions
+whose bodies are blanked instead, signatures and docstrings kept. So adding an exercise is
+adding an entry here, its sections in the module, and its check function: nothing else has to
+change.
 
 An exercise is *available* once its file, every one of its sections and its check exist; until
 then `list` shows it with `arrives_with`.
@@ -21,11 +21,11 @@ from functools import cached_property
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The modules that hold the check functions: the model and trainer checks, then the checks of
-# the parallelisms (which run the learner's code on several processes; checks_parallel.py
-# re-exports those of ZeRO and MoE, in checks_zero_moe.py, and of sequence parallelism and the
-# 3-D groups, in checks_sp_3d.py).
-CHECK_MODULES = ("checks.py", "checks_parallel.py", "checks_zero_moe.py", "checks_sp_3d.py")
+# The modules that hold the check functions, one per phase: the model, the trainer, the FSDP
+# trainer, then the parallelisms (which run the learner's code on several processes), those of
+# ZeRO and MoE and those of sequence parallelism and the 3-D groups in modules of their own.
+CHECK_MODULES = ("checks_model.py", "checks_trainer.py", "checks_fsdp.py", "checks_parallel.py",
+                 "checks_zero_moe.py", "checks_sp_3d.py")
 
 
 @dataclass(frozen=True)
@@ -279,11 +279,15 @@ EXERCISES: tuple[Exercise, ...] = (
         number=12, title="FSDPTrainer._get_sharding_strategy", file=FSDP_FILE,
         sections=("exercise-12",), phase=3,
         task="map the strategy name (FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD) to "
-             "fully_shard's arguments: {'mesh': self._device_mesh(replicas, shards), "
-             "'reshard_after_forward': bool}",
-        concept="ZeRO stages: memory against communication",
-        difficulty="Easy (5-10 lines, a dict lookup)",
+             "fully_shard's arguments, {'mesh': self._device_mesh(replicas, shards), "
+             "'reshard_after_forward': bool}, so that each strategy stores, holds and "
+             "all-gathers what it promises: the check measures it on 2 processes",
+        concept="ZeRO stages: memory against communication, measured",
+        difficulty="Easy (5-10 lines), once you can predict each strategy's memory",
         hints=(
+            "predict first, for 2 ranks: the share of the parameters each rank stores, the "
+            "share it holds between forward and backward, and the all-gathers in forward and "
+            "in backward; the check prints what your mapping measures",
             "a mesh of shape (replicas, shards): `shards` ranks split one copy of the model, and "
             "`replicas` such groups hold identical copies; replicas * shards = self.world_size",
             "FULL_SHARD (ZeRO-3) shards over every rank and frees the gathered parameters after "
@@ -318,13 +322,16 @@ EXERCISES: tuple[Exercise, ...] = (
     Exercise(
         number=14, title="FSDPTrainer._get_fsdp_policy", file=FSDP_FILE,
         sections=("exercise-14",), phase=3,
-        task="return the modules that become FSDP units, in the order fully_shard is applied: "
-             "every transformer Block, then the model itself",
-        concept="FSDP wrapping granularity",
+        task="return the modules that become FSDP units, in the order fully_shard is applied, "
+             "so that few parameters are whole at once: the check measures the all-gathers "
+             "and the peak share of whole parameters your units give",
+        concept="FSDP wrapping granularity: units set the peak memory and the message count",
         difficulty="Easy (2-3 lines)",
         hints=(
             "each unit is all-gathered in one collective just before it runs and freed after: "
             "the unit size sets the peak memory and how much communication can overlap compute",
+            "predict the peak for the model alone as one unit, and for one unit per Block "
+            "plus the model: the check prints what yours measures",
             "the blocks: [m for m in model.modules() if isinstance(m, Block)]",
             "fully_shard goes bottom-up: a unit takes every parameter not claimed by an earlier "
             "unit, so the model itself (embedding, lm_head, final norm) comes LAST",
@@ -356,7 +363,7 @@ EXERCISES: tuple[Exercise, ...] = (
     # ------------------------------------------------------------ phase 4: the parallelisms
     # Each exercise is a function of the course's from-scratch modules (snippets/scratch/):
     # the stub keeps its signature and docstring and blanks its body. The checks run it on
-    # gloo processes where it communicates (snippets/exercises/checks_parallel.py).
+    # gloo processes where it communicates (snippets/exercises/checks_parallel.py and siblings).
     Exercise(
         number=16, title="ring_all_reduce (collectives.py)", file=COLLECTIVES_FILE,
         sections=("ring-all-reduce",), blank=("ring_all_reduce",), phase=4,
@@ -621,6 +628,29 @@ EXERCISES: tuple[Exercise, ...] = (
             "and keeps the group when rank in ranks",
         ),
         check="check_3d_groups",
+    ),
+    Exercise(
+        number=27, title="make_buckets and BucketedDDP.sync_gradients (ddp.py)",
+        file=DDP_SCRATCH_FILE, sections=("buckets", "bucketed"),
+        blank=("make_buckets", "BucketedDDP.sync_gradients"), phase=4,
+        task="group the parameters that require grad into buckets of at most bucket_cap_mb, "
+             "last layer first; after backward, all-reduce each bucket's packed gradients in "
+             "one message and unpack their mean",
+        concept="Gradient buckets: few large all-reduces instead of one per parameter (Week 1)",
+        difficulty="Easy-Medium (about 15 lines in 2 functions)",
+        hints=(
+            "walk reversed(params), params = [p for p in module.parameters() if "
+            "p.requires_grad]: backward produces the last layer's gradients first, and those "
+            "buckets should fill first",
+            "the cap is in bytes: cap = bucket_cap_mb * 2**20 and a parameter weighs "
+            "p.numel() * p.element_size(); start a new bucket BEFORE adding a parameter that "
+            "would take the current one over the cap (an empty bucket always takes it)",
+            "return [Bucket(params) for each group], the last group included",
+            "sync_gradients: for each bucket, bucket.pack(), dist.all_reduce(bucket.buffer), "
+            "then bucket.unpack(1 / dist.get_world_size()): all_reduce sums, and each rank's "
+            "loss was a mean over its own examples",
+        ),
+        check="check_bucketed_ddp",
     ),
 )
 

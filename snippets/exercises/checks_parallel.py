@@ -1,46 +1,23 @@
 """Checks of the parallelisms the learner writes (exercises 16 onward).
 
-Like checks.py, each check takes the learner's module and returns what passed, or raises
+Like checks_model.py, each check takes the learner's module and returns what passed, or raises
 CheckFailed. The wrong answers learners usually write are computed here too (a ring simulated
 with the wrong direction, a schedule with one warm-up forward too many, a g that all-reduces in
 backward, ...), so that an output matching one of them is named.
 
-Checks that need processes run the learner's file on gloo processes through gang.run_ranks: one
+Checks that need processes run the learner's file on gloo processes through gang.run_learner: one
 start per check, a hard time limit, and a deadlock reported with each waiting rank's call.
 """
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-from snippets.exercises.checks import CheckFailed
-from snippets.exercises import gang
-from snippets.exercises.gang import RankFailed, Stuck, run_ranks
-
-
-def _shows_prints(check):
-    """check, with what each rank printed added to a failure judged from the ranks' values."""
-    @functools.wraps(check)
-    def wrapper(learner: ModuleType) -> list[str]:
-        gang.LAST_PRINTED.clear()
-        try:
-            return check(learner)
-        except CheckFailed as err:
-            if "your code printed:" in str(err):
-                raise
-            raise CheckFailed(str(err) + gang.printed_by_rank(gang.LAST_PRINTED)) from None
-    return wrapper
-
-
-def _run(learner: ModuleType, worker, world: int, *args) -> list:
-    try:
-        return run_ranks(Path(learner.__file__), worker, world, *args)
-    except (RankFailed, Stuck) as err:
-        raise CheckFailed(str(err)) from None
+from snippets.exercises.gang import run_learner, shows_prints
+from snippets.exercises.runner import CheckFailed
 
 
 # ---------------------------------------------------------------- exercise 16: ring all-reduce
@@ -157,10 +134,10 @@ def _check_ring_traffic(sends: list[int], p: int, numel: int) -> None:
             "whatever p is: that is why it is bandwidth-optimal")
 
 
-@_shows_prints
+@shows_prints
 def check_ring_all_reduce(learner: ModuleType) -> list[str]:
     p = RING_WORLD
-    ranks = _run(learner, _ring_worker, p)
+    ranks = run_learner(learner, _ring_worker, p)
     for case, shape in enumerate(RING_SHAPES[:len(ranks[0])]):
         inputs = [_ring_input(shape, r) for r in range(p)]
         total = torch.stack(inputs).sum(0)
@@ -420,7 +397,7 @@ def _tp_worker(learner, rank: int, world: int) -> dict:
 
     up, down, x, weights = _tp_setup()
     x.requires_grad_(True)
-    stats = learner.CommStats()
+    stats = learner.TensorParallelCommStats()
     col = learner.ColumnParallelLinear(up)
     row = learner.RowParallelLinear(down, stats=stats)
     out = {"col_w": col.weight.detach().clone(), "row_w": row.weight.detach().clone()}
@@ -455,10 +432,10 @@ def _close(a, b) -> bool:
     return a is not None and a.shape == b.shape and torch.allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
-@_shows_prints
+@shows_prints
 def check_tensor_parallel(learner: ModuleType) -> list[str]:
     p = TP_WORLD
-    ranks = _run(learner, _tp_worker, p)
+    ranks = run_learner(learner, _tp_worker, p)
     ref = _tp_reference(p)
     for r, got in enumerate(ranks):
         if not _close(got["col_w"], ref["up"].chunk(p, 0)[r]):
@@ -553,11 +530,10 @@ class _TrackedWork:
         return getattr(self.work, name)
 
 
-def _ddp_worker(learner, rank: int, world: int) -> dict:
+def _track_async_all_reduces() -> list:
+    """From now on in this process, dist.all_reduce(..., async_op=True) returns a handle that
+    remembers whether it was waited on; the list collects them."""
     import torch.distributed as dist
-    import torch.nn.functional as F
-
-    from snippets.exercises.runner import _describe
 
     handles, all_reduce = [], dist.all_reduce
 
@@ -568,7 +544,18 @@ def _ddp_worker(learner, rank: int, world: int) -> dict:
             return handles[-1]
         return work
     dist.all_reduce = tracking
+    return handles
 
+
+def _ddp_worker(learner, rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+
+    from snippets.exercises.runner import _describe
+    from snippets.scratch import ddp as solution
+
+    handles = _track_async_all_reduces()
+    # Exercise 27's make_buckets, the solution's: this exercise is judged on its own.
+    learner.make_buckets = solution.make_buckets
     model = _ddp_model()
     ddp = learner.OverlappedDDP(model, bucket_cap_mb=DDP_BUCKET_MB)
     out = {"grads": [], "unwaited": [], "error": None}
@@ -622,10 +609,32 @@ def _all_close(got: list, want: list) -> bool:
                for g, w in zip(got, want))
 
 
-@_shows_prints
+def _first_unaveraged(ranks: list, ref: list, p: int) -> tuple[int, int, str] | None:
+    """The first (step, rank, what) whose gradients after a step are not the mean over the
+    ranks, what being 'unwaited' (an async handle never waited on), 'missing' (a .grad is
+    None), 'sum', 'local' (the rank's own), 'local/p' (its own divided by p) or 'other';
+    None when every rank has the mean after every step. Exercises 20 and 27 name them."""
+    for step in range(len(ref)):
+        for r, got in enumerate(ranks):
+            grads, want = got["grads"][step], ref[step]
+            if got["unwaited"][step]:
+                return step, r, "unwaited"
+            if any(g is None for g in grads):
+                return step, r, "missing"
+            own = want["local"][r]
+            candidates = {"mean": want["mean"], "sum": [p * g for g in want["mean"]],
+                          "local": own, "local/p": [g / p for g in own]}
+            what = next((what for what, expected in candidates.items()
+                         if _all_close(grads, expected)), "other")
+            if what != "mean":
+                return step, r, what
+    return None
+
+
+@shows_prints
 def check_overlapped_ddp(learner: ModuleType) -> list[str]:
     p = DDP_WORLD
-    ranks = _run(learner, _ddp_worker, p)
+    ranks = run_learner(learner, _ddp_worker, p)
     ref = _ddp_reference(p)
     names = [name for name, _ in _ddp_model().named_parameters()]
     for r, got in enumerate(ranks):
@@ -642,53 +651,180 @@ def check_overlapped_ddp(learner: ModuleType) -> list[str]:
                     "cause: _finish must reset the per-backward state for the next one: "
                     "bucket.ready = 0 for every bucket, the pending list, callback_queued")
             raise CheckFailed(f"on {p} processes, rank {r}'s backward raised {text}")
-    for step in range(2):
-        for r, got in enumerate(ranks):
-            if got["unwaited"][step]:
-                raise CheckFailed(
-                    f"in backward {step + 1}, rank {r} left {got['unwaited'][step]} async "
-                    "all-reduce(s) never waited on: stepping before the handles are waited "
-                    "on. The buffers may still be in flight when you unpack them (here they "
-                    "happened to be done); call work.wait() in _finish before bucket.unpack")
-            grads, want = got["grads"][step], ref[step]
-            missing = [n for n, g in zip(names, grads) if g is None]
-            if missing:
-                raise CheckFailed(f"after backward {step + 1}, rank {r}'s {missing[0]} has no "
-                                  "gradient: unpack must write every parameter's .grad")
-            if _all_close(grads, want["mean"]):
-                continue
-            if _all_close(grads, [p * g for g in want["mean"]]):
-                raise CheckFailed(
-                    f"the gradients are {p} times the mean: you summed instead of averaging. "
-                    "Each rank's loss is a mean over its own examples; divide the all-reduced "
-                    "sum by the world size (bucket.unpack(1 / world))")
-            if _all_close(grads, want["local"][r]):
-                raise CheckFailed(
-                    f"after backward {step + 1}, rank {r} kept its own gradients: they were "
-                    "never averaged"
-                    + (". The first backward was averaged: _finish must reset bucket.ready "
-                       "to 0 (and pending, callback_queued), or no bucket fills again"
-                       if step else ": in the hook, count the bucket's ready gradients and "
-                       "launch dist.all_reduce(bucket.buffer, async_op=True) when the last "
-                       "one arrives"))
-            bad = next(n for n, g, w in zip(names, grads, want["mean"])
-                       if not torch.allclose(g, w, rtol=1e-5, atol=1e-6))
-            raise CheckFailed(f"after backward {step + 1}, rank {r}'s gradient of {bad} is "
-                              "not the mean of the ranks' gradients")
+    found = _first_unaveraged(ranks, ref, p)
+    if found:
+        step, r, what = found
+        grads, mean = ranks[r]["grads"][step], ref[step]["mean"]
+        if what == "unwaited":
+            raise CheckFailed(
+                f"in backward {step + 1}, rank {r} left {ranks[r]['unwaited'][step]} async "
+                "all-reduce(s) never waited on: stepping before the handles are waited "
+                "on. The buffers may still be in flight when you unpack them (here they "
+                "happened to be done); call work.wait() in _finish before bucket.unpack")
+        if what == "missing":
+            missing = next(n for n, g in zip(names, grads) if g is None)
+            raise CheckFailed(f"after backward {step + 1}, rank {r}'s {missing} has no "
+                              "gradient: unpack must write every parameter's .grad")
+        if what == "sum":
+            raise CheckFailed(
+                f"the gradients are {p} times the mean: you summed instead of averaging. "
+                "Each rank's loss is a mean over its own examples; divide the all-reduced "
+                "sum by the world size (bucket.unpack(1 / world))")
+        if what == "local":
+            raise CheckFailed(
+                f"after backward {step + 1}, rank {r} kept its own gradients: they were "
+                "never averaged"
+                + (". The first backward was averaged: _finish must reset bucket.ready "
+                   "to 0 (and pending, callback_queued), or no bucket fills again"
+                   if step else ": in the hook, count the bucket's ready gradients and "
+                   "launch dist.all_reduce(bucket.buffer, async_op=True) when the last "
+                   "one arrives"))
+        bad = next(n for n, g, w in zip(names, grads, mean)
+                   if not torch.allclose(g, w, rtol=1e-5, atol=1e-6))
+        raise CheckFailed(f"after backward {step + 1}, rank {r}'s gradient of {bad} is "
+                          "not the mean of the ranks' gradients")
     return [f"{p} ranks, 2 buckets: after each of 2 backwards every gradient is the mean over "
             "the ranks (fp32, 1e-5)",
             "every async all-reduce is waited on before its bucket is unpacked",
             "the second backward synchronises too: the per-backward state is reset"]
 
 
-# ---------------------------------------------------------------- exercises 21-26
-# ZeRO 1-3 and the MoE dispatch, then sequence parallelism and the 3-D groups, have their own
-# modules; the runner finds every parallel check here, and the forkserver's preload of this
-# module imports theirs too.
-from snippets.exercises.checks_sp_3d import check_3d_groups, check_sequence_parallel  # noqa: E402
-from snippets.exercises.checks_zero_moe import (  # noqa: E402
-    check_moe_dispatch,
-    check_zero1,
-    check_zero2,
-    check_zero3,
-)
+# ---------------------------------------------------------------- exercise 27: bucketed DDP
+#
+# make_buckets is judged in this process, against the assignments the usual mistakes give
+# (computed here); then BucketedDDP.sync_gradients runs on 2 gloo processes against the mean of
+# the ranks' gradients, as exercise 20.
+
+# Bytes: 4 buckets, then 2, of _ddp_model's 128 + 32 + 96 + 12 bytes. 100 first: there every
+# mistake below gives its own assignment (at 200, counting elements and closing a bucket after
+# it overflowed both give one bucket).
+BUCKET_CAPS = (100, 200)
+BUCKET_MISTAKES = {
+    "forward": "your buckets follow the registration order, first layer first: backward "
+               "produces the LAST layer's gradients first, so in that order the first bucket "
+               "fills last and nothing can start early. Walk reversed(params)",
+    "elements": "you counted elements against the cap, not bytes: a float32 element is 4 "
+                "bytes (p.numel() * p.element_size()), so your buckets are 4 times too big",
+    "after": "you close a bucket only after a parameter has overflowed it, so every bucket "
+             "but the last is over the cap: check size + this parameter's bytes against the "
+             "cap BEFORE adding it",
+    "frozen": "a parameter with requires_grad=False is in a bucket: it never gets a gradient, "
+              "so pack() finds p.grad None, and a hook-driven bucket would never fill. Keep "
+              "only the parameters that require grad",
+}
+
+
+def _simulate_buckets(model: torch.nn.Module, cap_bytes: int, *, order: str = "backward",
+                      unit: str = "bytes", close: str = "before",
+                      frozen: bool = False) -> list[list[str]]:
+    """make_buckets' assignment by parameter name, or a usual mistake's."""
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad or frozen]
+    buckets, current, size = [], [], 0
+    for name, p in (reversed(named) if order == "backward" else named):
+        nbytes = p.numel() * (p.element_size() if unit == "bytes" else 1)
+        if close == "before" and current and size + nbytes > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+        if close == "after" and size > cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    return buckets + [current] if current else buckets
+
+
+def _bucket_cases():
+    """(model, cap in bytes) pairs: the caps above, then one with a frozen parameter."""
+    for cap in BUCKET_CAPS:
+        yield _ddp_model(), cap
+    model = _ddp_model()
+    model[0].bias.requires_grad_(False)
+    yield model, BUCKET_CAPS[0]
+
+
+def _judge_make_buckets(learner: ModuleType) -> None:
+    for model, cap in _bucket_cases():
+        names = {id(p): n for n, p in model.named_parameters()}
+        buckets = learner.make_buckets(model, cap / 2**20)
+        try:
+            got = [[names[id(p)] for p in b.params] for b in buckets]
+        except (AttributeError, KeyError, TypeError):
+            raise CheckFailed(f"make_buckets returned {buckets!r:.80}: return a list of "
+                              "Bucket(params) objects, each holding some of the module's own "
+                              "parameters") from None
+        want = _simulate_buckets(model, cap)
+        if got == want:
+            continue
+        setting = f"with a cap of {cap} bytes, your buckets are {got}"
+        for name, variant in (("forward", {"order": "forward"}), ("elements", {"unit": "elements"}),
+                              ("after", {"close": "after"}), ("frozen", {"frozen": True})):
+            if got == _simulate_buckets(model, cap, **variant):
+                raise CheckFailed(f"{setting}: {BUCKET_MISTAKES[name]}")
+        flat = [n for b in got for n in b]
+        if sorted(flat) != sorted(n for b in want for n in b):
+            raise CheckFailed(f"{setting}: every parameter that requires grad must be in "
+                              "exactly one bucket")
+        raise CheckFailed(f"{setting}; expected {want}: walk the parameters in reverse, and "
+                          "start a new bucket when the next one would take it over the cap")
+
+
+def _bucketed_worker(learner, rank: int, world: int) -> dict:
+    import torch.nn.functional as F
+
+    from snippets.exercises.runner import _describe
+
+    handles = _track_async_all_reduces()
+    model = _ddp_model()
+    ddp = learner.BucketedDDP(model, bucket_cap_mb=DDP_BUCKET_MB)
+    out = {"grads": [], "unwaited": [], "error": None}
+    for step in range(2):
+        x, y = _ddp_batch(step, rank)
+        F.mse_loss(ddp(x), y).backward()
+        try:
+            ddp.sync_gradients()
+        except Exception as err:  # noqa: BLE001 - the parent reports it with the step
+            return out | {"error": _describe(err, Path(learner.__file__)), "step": step}
+        out["unwaited"].append(sum(not h.waited for h in handles))
+        handles.clear()
+        out["grads"].append([p.grad.clone() for p in model.parameters()])
+        _sgd_step(model)
+    return out
+
+
+@shows_prints
+def check_bucketed_ddp(learner: ModuleType) -> list[str]:
+    _judge_make_buckets(learner)
+    p = DDP_WORLD
+    ranks = run_learner(learner, _bucketed_worker, p)
+    ref = _ddp_reference(p)
+    for r, got in enumerate(ranks):
+        if got["error"]:
+            raise CheckFailed(f"on {p} processes, rank {r}'s sync_gradients raised "
+                              f"{got['error']}")
+    found = _first_unaveraged(ranks, ref, p)
+    if found:
+        step, r, what = found
+        if what == "unwaited":
+            raise CheckFailed(
+                f"in step {step + 1}, rank {r} started {ranks[r]['unwaited'][step]} async "
+                "all-reduce(s) and never waited on the handle: the buffer may still be in "
+                "flight when you unpack it (here it happened to be done). A blocking "
+                "dist.all_reduce(bucket.buffer) is all sync_gradients needs")
+        if what == "sum":
+            raise CheckFailed(
+                f"the gradients are {p} times the mean: gradients not divided by the world "
+                "size. all_reduce sums; each rank's loss is a mean over its own examples, "
+                "so unpack with 1 / world")
+        if what in ("local", "local/p"):
+            raise CheckFailed(
+                f"after step {step + 1}, rank {r}'s gradients are its own"
+                f"{' divided by ' + str(p) if what == 'local/p' else ''}: the all-reduced "
+                "sums never reached them. For each bucket: pack(), "
+                "all_reduce(bucket.buffer), then unpack(1 / world), in that order")
+        raise CheckFailed(f"after step {step + 1}, rank {r}'s gradients are not the mean "
+                          "of the ranks' gradients")
+    return [f"make_buckets, caps of {' and '.join(map(str, BUCKET_CAPS))} bytes and a frozen "
+            "parameter: reverse order, bytes against the cap, a new bucket before it would "
+            "overflow",
+            f"{p} ranks: after each of 2 steps every gradient is the mean over the ranks "
+            "(fp32, 1e-5)"]

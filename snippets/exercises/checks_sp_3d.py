@@ -2,9 +2,9 @@
 (snippets/scratch/sequence_parallel.py) and the process groups of 3-D parallelism
 (snippets/scratch/three_d.py).
 
-As in checks_zero_moe.py, the learner's file runs on gloo processes through gang.run_ranks (one
-start per check, a hard time limit, a deadlock reported with each waiting rank's call), every
-rank is compared with one process, and the usual wrong answers are computed in one process
+As in checks_zero_moe.py, the learner's file runs on gloo processes through gang.run_learner
+(one start per check, a hard time limit, a deadlock reported with each waiting rank's call),
+every rank is compared with one process, and the usual wrong answers are computed in one process
 (tokens gathered along the batch, in the wrong rank order, a gradient never summed, groups cut
 along the wrong axis, ...) so that a result matching one of them is named.
 
@@ -12,7 +12,6 @@ The 3-D groups are judged first without processes: on 8 ranks (DP x PP x TP = 2 
 learner's build_groups runs once per rank with dist.new_group, get_rank and get_world_size
 replaced, which records every group each rank creates and in which order. Then 4 processes
 (DP x TP = 2 x 2) build the groups for real and average gradients over the DP group.
-checks_parallel.py re-exports the check functions.
 """
 
 from __future__ import annotations
@@ -26,22 +25,9 @@ import torch.nn.functional as F
 
 import snippets.scratch.three_d  # noqa: F401 - the learner's three_d.py imports what it does:
 # preloaded once in gang's forkserver, not in every rank's time
-from snippets.exercises import gang
-from snippets.exercises.checks import CheckFailed
-from snippets.exercises.checks_zero_moe import _describe, _shows_prints
-from snippets.exercises.gang import RankFailed, Stuck, run_ranks
-
-# A rank still in the learner's code after this long is stuck (gang.py). A module global, read
-# at each run: the tests of the deadlock messages lower it.
-STUCK_AFTER_S = gang.STUCK_AFTER_S
-
-
-def _run(learner: ModuleType, worker, world: int, *args) -> list:
-    try:
-        return run_ranks(Path(learner.__file__), worker, world, *args,
-                         stuck_after_s=STUCK_AFTER_S)
-    except (RankFailed, Stuck) as err:
-        raise CheckFailed(str(err)) from None
+from snippets.exercises.checks_zero_moe import _describe
+from snippets.exercises.gang import RankFailed, Stuck, run_learner, run_ranks, shows_prints
+from snippets.exercises.runner import CheckFailed
 
 
 def _close(a, b) -> bool:
@@ -289,10 +275,10 @@ SP_STATS = {("forward", "all_gather"): 1, ("forward", "reduce_scatter"): 1,
             ("backward", "all_reduce"): 1}
 
 
-@_shows_prints
+@shows_prints
 def check_sequence_parallel(learner: ModuleType) -> list[str]:
     p = SP_WORLD
-    ranks = _run(learner, _sp_worker, p)
+    ranks = run_learner(learner, _sp_worker, p)
     for r, got in enumerate(ranks):
         if got["error"] and got["where"] in ("all_gather_sequence", "reduce_scatter_sequence"):
             raise CheckFailed(f"with {p} ranks, rank {r}'s {got['where']} raised {got['error']}")
@@ -595,7 +581,7 @@ def _3d_grads(d: int, t: int) -> list[torch.Tensor]:
     return [torch.randn(2, 3, generator=g), torch.randn(2, generator=g)]
 
 
-@_shows_prints
+@shows_prints
 def check_3d_groups(learner: ModuleType) -> list[str]:
     from snippets.scratch.three_d import Mesh
 
@@ -613,8 +599,7 @@ def check_3d_groups(learner: ModuleType) -> list[str]:
         # Some rank creates a group its peers never create: it waits for them in new_group.
         # The real thing, on processes, where the watchdog names who waits.
         try:
-            run_ranks(Path(learner.__file__), _3d_worker, run.size, MESH_RUN,
-                      stuck_after_s=STUCK_AFTER_S)
+            run_ranks(Path(learner.__file__), _3d_worker, run.size, MESH_RUN)
         except (RankFailed, Stuck) as err:
             raise CheckFailed(f"{err}\n  Why: {order[0]}") from None
         raise CheckFailed(order[0])
@@ -627,7 +612,7 @@ def check_3d_groups(learner: ModuleType) -> list[str]:
             "each other until the timeout, or, depending on which rank registers first, "
             "connect to ranks of another group")
     _judge_groups(sims, mesh)
-    ranks = _run(learner, _3d_worker, run.size, MESH_RUN)
+    ranks = run_learner(learner, _3d_worker, run.size, MESH_RUN)
     setting = (f"on {run.size} processes with DP x PP x TP = {run.dp} x {run.pp} x {run.tp}")
     for r, got in enumerate(ranks):
         c = run.coords(r)

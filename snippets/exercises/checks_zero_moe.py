@@ -2,15 +2,14 @@
 parallelism's dispatch (snippets/scratch/moe.py).
 
 As in checks_parallel.py, each check runs the learner's file on gloo processes through
-gang.run_ranks (one start per check, a hard time limit, a deadlock reported with each waiting
+gang.run_learner (one start per check, a hard time limit, a deadlock reported with each waiting
 rank's call), compares every rank with single-process training, and computes the usual wrong
 answers in one process (gradients summed, shards stale, rows in the wrong order, ...) so that a
-result matching one of them is named. checks_parallel.py re-exports the check functions.
+result matching one of them is named.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from pathlib import Path
 from types import ModuleType
@@ -22,46 +21,12 @@ from torch import nn
 
 import snippets.models.gpt  # noqa: F401 - the learner's moe.py imports it: preloaded once
 import snippets.planner.memory  # noqa: F401 - and zero.py this
-from snippets.exercises import gang
-from snippets.exercises.checks import CheckFailed
-from snippets.exercises.gang import RankFailed, Stuck, run_ranks
-
-# The first optimizer built in a process imports torch._dynamo: over a second, which in a rank
-# would count against its time limit. Built once here, the import happens in gang.py's
-# forkserver (which preloads checks_parallel.py, and so this module), and every rank forked
-# from it starts with it done.
-torch.optim.AdamW([nn.Parameter(torch.zeros(1))])
-
-# A rank still in the learner's code after this long is stuck (gang.py). A module global, read
-# at each run: the tests of the deadlock messages lower it.
-STUCK_AFTER_S = gang.STUCK_AFTER_S
-
-
-def _shows_prints(check):
-    """check, with what each rank printed added to a failure judged from the ranks' values."""
-    @functools.wraps(check)
-    def wrapper(learner: ModuleType) -> list[str]:
-        gang.LAST_PRINTED.clear()
-        try:
-            return check(learner)
-        except CheckFailed as err:
-            if "your code printed:" in str(err):
-                raise
-            raise CheckFailed(str(err) + gang.printed_by_rank(gang.LAST_PRINTED)) from None
-    return wrapper
-
-
-def _run(learner: ModuleType, worker, world: int, *args) -> list:
-    try:
-        return run_ranks(Path(learner.__file__), worker, world, *args,
-                         stuck_after_s=STUCK_AFTER_S)
-    except (RankFailed, Stuck) as err:
-        raise CheckFailed(str(err)) from None
+from snippets.exercises.gang import run_learner, shows_prints
+from snippets.exercises.runner import CheckFailed
+from snippets.exercises.runner import _describe as describe
 
 
 def _describe(err: BaseException, learner) -> str:
-    from snippets.exercises.runner import _describe as describe
-
     return describe(err, Path(learner.__file__))
 
 
@@ -217,10 +182,10 @@ ZERO1_MISTAKES = (
 )
 
 
-@_shows_prints
+@shows_prints
 def check_zero1(learner: ModuleType) -> list[str]:
     for p in ZERO_WORLDS:
-        ranks = _run(learner, _zero1_worker, p)
+        ranks = run_learner(learner, _zero1_worker, p)
         for r, got in enumerate(ranks):
             if got["error"]:
                 raise CheckFailed(f"on {p} processes, rank {r}'s step {got['step'] + 1} "
@@ -327,10 +292,10 @@ def _bucket_shards(flat_grad: torch.Tensor, world: int) -> list[list[torch.Tenso
     return out
 
 
-@_shows_prints
+@shows_prints
 def check_zero2(learner: ModuleType) -> list[str]:
     for p in ZERO_WORLDS:
-        ranks = _run(learner, _zero2_worker, p)
+        ranks = run_learner(learner, _zero2_worker, p)
         for r, got in enumerate(ranks):
             if not got["error"]:
                 continue
@@ -502,11 +467,11 @@ def _zero3_reference(world: int) -> dict:
     return out
 
 
-@_shows_prints
+@shows_prints
 def check_zero3(learner: ModuleType) -> list[str]:
     units = 3  # two blocks and the root
     for p in ZERO3_WORLDS:
-        ranks = _run(learner, _zero3_worker, p)
+        ranks = run_learner(learner, _zero3_worker, p)
         for r, got in enumerate(ranks):
             if not got["error"]:
                 continue
@@ -756,10 +721,10 @@ def _moe_mismatch(m: dict) -> str:
             f"sends you (from the exchanged counts).\n  {said}")
 
 
-@_shows_prints
+@shows_prints
 def check_moe_dispatch(learner: ModuleType) -> list[str]:
     for p, experts in MOE_CASES:
-        ranks = _run(learner, _moe_worker, p, experts)
+        ranks = run_learner(learner, _moe_worker, p, experts)
         setting = f"with {p} ranks and {experts} experts ({experts // p} on each rank)"
         for r, got in enumerate(ranks):
             if got["mismatch"]:

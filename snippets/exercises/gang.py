@@ -20,6 +20,7 @@ What each rank printed is kept (per rank) and shown with a failure.
 from __future__ import annotations
 
 import faulthandler
+import functools
 import importlib.util
 import multiprocessing as mp
 import os
@@ -31,13 +32,17 @@ import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import torch.distributed as dist
 
-from snippets.exercises.runner import _describe
+from snippets.exercises.runner import CheckFailed, _describe
+from snippets.ports import free_port
 
-STUCK_AFTER_S = 5.0  # a rank whose worker has not finished by then is taken to be stuck
+# A rank whose worker has not finished by then is taken to be stuck. Read at each run: the
+# tests of the deadlock messages lower it.
+STUCK_AFTER_S = 5.0
 STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
 LAST_PIDS: list[int] = []  # the processes of the last run, for the test that none survives
 LAST_PRINTED: list[str] = []  # what each rank of the last run printed
@@ -53,14 +58,6 @@ class RankFailed(Exception):
 
 class Stuck(Exception):
     """Some rank did not finish in time; the message says where each one waits, and why."""
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _load(path: Path):
@@ -111,17 +108,22 @@ def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
     os._exit(0)
 
 
-def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float = STUCK_AFTER_S):
+def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None = None):
     """worker(learner, rank, world, *args) on `world` gloo processes; their values in rank
     order. worker must be a module-level function (it is pickled by name)."""
+    stuck_after_s = STUCK_AFTER_S if stuck_after_s is None else stuck_after_s
     ctx = mp.get_context("forkserver")
     # As snippets.dist.spawn: the server imports these once, and each rank is forked from it
-    # in milliseconds (the first backward imports symbolic_shapes: seconds of CPU per rank).
-    ctx.set_forkserver_preload(["torch", "torch.distributed",
+    # in milliseconds (the first backward imports symbolic_shapes, the first optimizer
+    # torch._dynamo: a second or more of CPU each, per rank, inside its time limit).
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch.fx.experimental.symbolic_shapes",
-                                "snippets.exercises.checks_parallel"])
+                                "snippets.exercises.checks_fsdp",
+                                "snippets.exercises.checks_parallel",
+                                "snippets.exercises.checks_zero_moe",
+                                "snippets.exercises.checks_sp_3d"])
     with tempfile.TemporaryDirectory() as out:
-        port = _free_port()
+        port = free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
                              args=(r, world, port, str(path), worker, args, out, stuck_after_s))
                  for r in range(world)]
@@ -190,6 +192,28 @@ def printed_by_rank(printed: list[str]) -> str:
     lines = [f"    rank {r}: {line}" for r, text in enumerate(printed)
              for line in text.strip().splitlines()[:5]]
     return "\n  your code printed:\n" + "\n".join(lines) if lines else ""
+
+
+def run_learner(learner: ModuleType, worker, world: int, *args) -> list:
+    """run_ranks on the learner's file, for a check: a failed or stuck rank is a CheckFailed."""
+    try:
+        return run_ranks(Path(learner.__file__), worker, world, *args)
+    except (RankFailed, Stuck) as err:
+        raise CheckFailed(str(err)) from None
+
+
+def shows_prints(check):
+    """check, with what each rank printed added to a failure judged from the ranks' values."""
+    @functools.wraps(check)
+    def wrapper(learner: ModuleType) -> list[str]:
+        LAST_PRINTED.clear()
+        try:
+            return check(learner)
+        except CheckFailed as err:
+            if "your code printed:" in str(err):
+                raise
+            raise CheckFailed(str(err) + printed_by_rank(LAST_PRINTED)) from None
+    return wrapper
 
 
 def where_stuck(stack: str, path: Path) -> tuple[str, str]:
