@@ -173,7 +173,7 @@ def test_all_reduces_per_step_match_theory(ranks):
     counted = all_reduce_bytes_per_step(get_config("tiny"), batch_size=GLOBAL_BATCH, seq_len=SEQ)
     assert counted["forward_calls"] == counted["backward_calls"] == 2 * layers
     for r in ranks[2]:
-        assert r["scratch"]["stats"] == counted  # CommStats, counted by f and g themselves
+        assert r["scratch"]["stats"] == counted  # TensorParallelCommStats, counted by f and g themselves
         # Measured by the benchmark's dispatch mode, which sees every all-reduce op issued:
         measured, theory = r["bench"]["measured"], r["bench"]["theory"]
         assert measured["TP from scratch"] == theory

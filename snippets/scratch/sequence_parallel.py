@@ -35,7 +35,7 @@ from torch import nn
 from snippets.models.gpt import GPT, get_config
 from snippets.scratch.tensor_parallel import (
     ColumnParallelLinear,
-    CommStats,
+    TensorParallelCommStats,
     LeaveTensorParallel,
     RowParallelLinear,
     check_tensor_parallel_sizes,
@@ -201,7 +201,8 @@ def split_batch_by_sequence(model: GPT, group, stats: SequenceCommStats) -> None
         local = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1),
                                 ignore_index=-100, reduction="sum") / this_call.pop("counted")
         stats.record("forward", "all_reduce", local)
-        return logits, LeaveTensorParallel.apply(local, group, CommStats())  # counted above
+        # counted above, so into a throwaway counter here
+        return logits, LeaveTensorParallel.apply(local, group, TensorParallelCommStats())
 
     model.register_forward_pre_hook(take_my_tokens, with_kwargs=True)
     model.register_forward_hook(global_mean_loss, with_kwargs=True)

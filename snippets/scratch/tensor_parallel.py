@@ -37,7 +37,7 @@ from snippets.models.gpt import GPT, MLP, CausalSelfAttention, ConfigError, GPTC
 
 # --8<-- [start:stats]
 @dataclass
-class CommStats:
+class TensorParallelCommStats:
     """All-reduces issued by the tensor-parallel layers, and the payload each rank put in them.
 
     Payload = the bytes of the tensor handed to all_reduce. A ring all-reduce over N ranks
@@ -139,7 +139,7 @@ class RowParallelLinear(nn.Module):
     Output: the full y on every rank, after g's all-reduce of the partial products.
     """
 
-    def __init__(self, linear: nn.Linear, group=None, stats: CommStats | None = None):
+    def __init__(self, linear: nn.Linear, group=None, stats: TensorParallelCommStats | None = None):
         super().__init__()
         _no_bias(linear)
         rank, size = _tp_rank_and_size(group)
@@ -147,7 +147,7 @@ class RowParallelLinear(nn.Module):
             raise ValueError(f"in_features={linear.in_features} does not divide by the "
                              f"tensor-parallel size {size}")
         self.weight = nn.Parameter(linear.weight.detach().chunk(size, dim=1)[rank].clone())
-        self.group, self.stats = group, stats if stats is not None else CommStats()
+        self.group, self.stats = group, stats if stats is not None else TensorParallelCommStats()
 
     def forward(self, x_shard: torch.Tensor) -> torch.Tensor:
         return LeaveTensorParallel.apply(F.linear(x_shard, self.weight), self.group, self.stats)
@@ -155,7 +155,7 @@ class RowParallelLinear(nn.Module):
 
 
 # --8<-- [start:enter-hook]
-def enter_region_on_input(module: nn.Module, group, stats: CommStats) -> None:
+def enter_region_on_input(module: nn.Module, group, stats: TensorParallelCommStats) -> None:
     """Apply f to the module's input, once, before any of its column-parallel layers sees it.
 
     Three projections (q, k, v) or two (gate, up) read the same x. One f in front of all of them
@@ -171,7 +171,7 @@ def enter_region_on_input(module: nn.Module, group, stats: CommStats) -> None:
 
 
 # --8<-- [start:mlp]
-def parallelize_mlp(mlp: MLP, group, stats: CommStats) -> None:
+def parallelize_mlp(mlp: MLP, group, stats: TensorParallelCommStats) -> None:
     """SwiGLU down(silu(gate(x)) * up(x)): gate and up column-parallel, down row-parallel.
 
     silu and the product act elementwise, so rank r's intermediate columns need only rank r's
@@ -186,7 +186,8 @@ def parallelize_mlp(mlp: MLP, group, stats: CommStats) -> None:
 
 
 # --8<-- [start:attention]
-def parallelize_attention(attention: CausalSelfAttention, group, stats: CommStats) -> None:
+def parallelize_attention(attention: CausalSelfAttention, group,
+                          stats: TensorParallelCommStats) -> None:
     """Split the heads: rank r computes heads [r*H/N, (r+1)*H/N) from start to finish.
 
     q_proj's output features are the heads side by side, so a contiguous block of rows of W_q
@@ -224,11 +225,12 @@ def check_tensor_parallel_sizes(config: GPTConfig, tp_size: int) -> None:
 
 
 # --8<-- [start:apply]
-def apply_tensor_parallel(model: GPT, group=None) -> CommStats:
+def apply_tensor_parallel(model: GPT, group=None) -> TensorParallelCommStats:
     """Turn a plain GPT into its tensor-parallel version, in place, on every rank of `group`.
 
     Every block's attention and MLP are split across the group; the embedding, the norms and
-    the (tied) output layer stay replicated. Returns the CommStats the layers count into.
+    the (tied) output layer stay replicated. Returns the TensorParallelCommStats the layers
+    count into.
     """
     check_tensor_parallel_sizes(model.config, dist.get_world_size(group))
     # Every rank must slice the same full matrices, and the replicated parts must start equal:
@@ -236,7 +238,7 @@ def apply_tensor_parallel(model: GPT, group=None) -> CommStats:
     first = dist.get_global_rank(group or dist.group.WORLD, 0)
     for tensor in [*model.parameters(), *model.buffers()]:
         dist.broadcast(tensor.data, src=first, group=group)
-    stats = CommStats()
+    stats = TensorParallelCommStats()
     for block in model.layers:
         parallelize_attention(block.self_attn, group, stats)
         parallelize_mlp(block.mlp, group, stats)

@@ -113,7 +113,7 @@ def build_groups(mesh: Mesh, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
 # --8<-- [start:parallelize]
 def parallelize_3d(model: GPT, mesh: Mesh, groups: dict):
     """TP inside every block, then this rank's pipeline stage. The model is the plain GPT;
-    the training loop below never looks inside it. Returns (stage, TP CommStats)."""
+    the training loop below never looks inside it. Returns (stage, TensorParallelCommStats)."""
     tp_stats = apply_tensor_parallel(model, groups["tp"])
     stage = split_into_stages(model, mesh.pp)[mesh.coords(dist.get_rank())["pp"]]
     return stage, tp_stats

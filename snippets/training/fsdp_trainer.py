@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from snippets.data.corpus import DataError
+from snippets.dist import leave_process_group
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
@@ -389,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"embed_tokens.weight: {type(weight).__name__} {tuple(weight.shape)}, "
                 f"placements {weight.placements}, local piece {tuple(weight.to_local().shape)}")
     code = train(trainer, args, save)
-    dist.destroy_process_group()
+    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
     return code
 # --8<-- [end:main]
 
