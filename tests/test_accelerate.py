@@ -1,8 +1,11 @@
 """Hugging Face Accelerate on 2 CPU processes: the launch that works, the ones that do not.
 
-Every test starts the real `accelerate launch` in a subprocess, with HOME and HF_HOME in a
-temporary folder so no user config (~/.cache/huggingface/accelerate/default_config.yaml) is read,
-and every option the launcher would otherwise take from that config given on the command line.
+The launches docs/course/week-1/accelerate.md shows are run by the code-block runner, which
+checks their output exactly; the tests here assert what that checked output proves (sharded data,
+replicas in sync, the trap's duplicate copies) without launching them a second time. The launches
+the page does not run start the real `accelerate launch` in a subprocess, with HOME and HF_HOME in
+a temporary folder so no user config (~/.cache/huggingface/accelerate/default_config.yaml) is
+read, and every option the launcher would otherwise take from that config on the command line.
 """
 
 import os
@@ -17,7 +20,7 @@ from tests.conftest import ROOT, free_port
 
 SCRIPT = "snippets/training/accelerate_train.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
-STEPS = "3"
+STEPS = "1"  # the launches below are refused or checked for who starts
 
 
 def accelerate_launch(tmp_path: Path, launch_args: list[str], *script_args: str,
@@ -51,81 +54,69 @@ def final_checksums(out: str) -> list[float]:
     return [float(x) for x in re.findall(r"final checksum (-?\d+\.\d{6})", out)]
 
 
-@pytest.fixture(scope="module")
-def two_processes(tmp_path_factory):
-    """The launch that works: --multi_gpu starts 2 processes, Accelerator(cpu=True) joins them."""
-    tmp = tmp_path_factory.mktemp("two")
-    result = accelerate_launch(tmp, ["--multi_gpu", "--num_processes", "2"], "--cpu")
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result, tmp
+PAGE = ROOT / "docs/course/week-1/accelerate.md"
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    """`accelerate launch --cpu --num_processes 2`: starts a single process."""
-    tmp = tmp_path_factory.mktemp("one")
-    result = accelerate_launch(tmp, ["--cpu", "--num_processes", "2"])
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result
+def checked_output(command: str) -> str:
+    """The expected output of the page's bash block that contains `command`. The code-block runner
+    runs that block and compares its stdout with this text exactly, so the assertions below on
+    the text hold for the real run; this function insists the block really is output-checked."""
+    page = PAGE.read_text()
+    end = page.index("\n```\n", page.index(command)) + 5  # the end of the block that runs it
+    fence = page.index("```", end)  # the next block, the output, may follow some prose
+    marker = "<!--pytest-codeblocks:expected-output-->\n"
+    assert page[:fence].endswith(marker) and page.startswith("```text\n", fence), \
+        f"the block running {command!r} is not followed by an output-checked text block"
+    return page[fence + 8:page.index("\n```", fence + 8)]
 
 
-def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data(two_processes):
-    result, tmp = two_processes
-    out = result.stdout
+def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data():
+    out = checked_output("snippets/training/accelerate_train.py --cpu --steps 5\n")
     assert processes(out) == [("0", 0, 2, True), ("1", 1, 2, False)]
     assert "MULTI_CPU: 2 processes, backend gloo" in out
     assert "model -> DistributedDataParallel" in out
     assert "577 batches -> 288 per process" in out  # each process loads half the batches
     batch0, batch1 = first_batches(out)
     assert not set(batch0) & set(batch1)  # different examples: the loader is sharded
-    assert out.count("replicas in sync: True") == int(STEPS)
+    assert out.count("replicas in sync: True") == 5
     sums = final_checksums(out)
     assert len(sums) == 2 and sums[0] == sums[1]  # exactly equal: DDP averaged every gradient
-    saved = sorted(p.name for p in (tmp / "state").iterdir())
-    assert saved == ["model.safetensors", "optimizer.bin", "random_states_0.pkl",
-                     "random_states_1.pkl"]
+    assert ("saved runs/accelerate/state: model.safetensors, optimizer.bin, random_states_0.pkl, "
+            "random_states_1.pkl") in out
 
 
-def test_accelerate_use_cpu_env_is_the_same_fix_as_cpu_true(tmp_path, two_processes):
-    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"],
-                               extra_env={"ACCELERATE_USE_CPU": "1"})  # and no --cpu flag
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "MULTI_CPU: 2 processes, backend gloo" in result.stdout
-    assert final_checksums(result.stdout) == final_checksums(two_processes[0].stdout)
+def test_accelerate_use_cpu_env_and_torchrun_are_the_same_fix_as_cpu_true():
+    out = checked_output("ACCELERATE_USE_CPU=1 accelerate launch")
+    assert out.count("MULTI_CPU: 2 processes, backend gloo") == 2
+    step2 = re.search(r"step   2 \| .* checksums (\S+),", checked_output("--cpu --steps 5\n"))[1]
+    assert final_checksums(out) == [float(step2)] * 4  # both launches, both processes
 
 
-def test_cpu_flag_of_accelerate_launch_starts_a_single_process(one_process):
-    out = one_process.stdout
+def test_cpu_flag_of_accelerate_launch_starts_a_single_process():
+    out = checked_output("accelerate launch --cpu --num_processes 2")
     assert processes(out) == [("-", 0, 1, True)]  # no RANK: not even a distributed launch
     assert "NO: 1 processes" in out
     assert len(final_checksums(out)) == 1
 
 
-def test_multi_gpu_with_a_plain_accelerator_on_cpu_is_refused(tmp_path):
-    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"])
-    assert result.returncode != 0
-    assert ("IndependentCopiesError: the launcher started 2 processes (WORLD_SIZE=2), but "
-            "Accelerate sees num_processes=1, distributed_type=NO in each") in result.stderr
-    assert "Accelerator(cpu=True)" in result.stderr and "ACCELERATE_USE_CPU=1" in result.stderr
-    assert "step" not in result.stdout  # refused before training
+def test_multi_gpu_with_a_plain_accelerator_on_cpu_is_refused_naming_both_fixes():
+    out = checked_output("2> runs/accelerate/trap.log")
+    assert out.startswith("IndependentCopiesError: the launcher started 2 processes (WORLD_SIZE=2), "
+                          "but Accelerate sees num_processes=1, distributed_type=NO in each")
+    assert "Accelerator(cpu=True)" in out and "ACCELERATE_USE_CPU=1" in out
+    assert "step" not in out  # the block prints stdout too: refused before training
 
 
-def test_the_trap_trains_two_copies_of_a_one_process_run(tmp_path, one_process, two_processes):
-    result = accelerate_launch(tmp_path, ["--multi_gpu", "--num_processes", "2"],
-                               "--allow-independent")
-    assert result.returncode == 0, result.stderr[-3000:]
-    out = result.stdout
-    # Two processes, each believing it is process 0 of 1, and the main process.
-    assert processes(out) == [("0", 0, 1, True), ("1", 0, 1, True)]
-    batch0, batch1 = first_batches(out)
-    assert batch0 == batch1  # the same examples: nothing is sharded
-    # Both are "the main process": the script refuses to let both write the same files.
-    assert out.count("not saving") == 2 and not (tmp_path / "state").exists()
-    # Each copy ends exactly where a single process ends, and nowhere near the real 2-process run:
-    # the second process added nothing but a duplicate.
-    single = final_checksums(one_process.stdout)[0]
-    assert final_checksums(out) == [single, single]
-    assert single != final_checksums(two_processes[0].stdout)[0]
+def test_the_trap_trains_two_copies_of_a_one_process_run():
+    out = checked_output("--allow-independent")
+    batches = first_batches(out)
+    assert len(batches) == 3 and batches[0] == batches[1] == batches[2]  # nothing is sharded
+    assert out.count("not saving") == 2  # both copies are "the main process"
+    # Each copy ends exactly where a single process ends, and nowhere near the real 2-process run
+    # of the same 5 steps: the second process added nothing but a duplicate.
+    single, copy0, copy1 = final_checksums(out)
+    assert single == copy0 == copy1
+    assert single != final_checksums(checked_output("--cpu --steps 5\n"))[0]
 
 
 def test_a_multi_cpu_config_file_also_starts_a_single_process(tmp_path):

@@ -18,7 +18,6 @@ rebuilt so each process loads its own share of every epoch's batches, onto its d
 
 import argparse
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -108,6 +107,16 @@ def check_launch(accelerator: Accelerator, allow_independent: bool = False) -> b
 # --8<-- [end:check-launch]
 
 
+def print_in_rank_order(accelerator: Accelerator, line: str) -> None:
+    """Every process prints its line, process 0 first: the others wait at a barrier for their
+    turn, so the output reads the same on every run. Independent copies (the trap) each think they
+    are process 0 of 1, and print whenever they get there."""
+    for turn in range(accelerator.num_processes):
+        if turn == accelerator.process_index:
+            print(line, flush=True)
+        accelerator.wait_for_everyone()
+
+
 # --8<-- [start:checksum]
 def parameter_checksum(model: torch.nn.Module, device: torch.device) -> torch.Tensor:
     """This process's sum of all its weights, as a 1-element tensor that gather can collect."""
@@ -121,9 +130,9 @@ def main(argv=None) -> None:
     # --8<-- [start:prepare]
     accelerator = Accelerator(cpu=args.cpu)  # reads the launcher's environment: rank, world, device
     independent_copies = check_launch(accelerator, args.allow_independent)
-    print(f"launcher RANK={os.environ.get('RANK', '-')} -> accelerate process "
-          f"{accelerator.process_index} of {accelerator.num_processes}, "
-          f"main process: {accelerator.is_main_process}, device: {accelerator.device}", flush=True)
+    print_in_rank_order(accelerator, f"launcher RANK={os.environ.get('RANK', '-')} -> accelerate "
+                        f"process {accelerator.process_index} of {accelerator.num_processes}, "
+                        f"main process: {accelerator.is_main_process}, device: {accelerator.device}")
 
     set_seed(args.seed)  # the same initial weights in every process (DDP also broadcasts them)
     config = get_config(args.config)
@@ -153,7 +162,6 @@ def main(argv=None) -> None:
                 everyone = accelerator.gather(indices).view(accelerator.num_processes, -1)
                 for process, seen in enumerate(everyone.tolist()):
                     accelerator.print(f"process {process} first batch: examples {seen}")
-            start = time.perf_counter()
             inputs, targets = shift_for_next_token(batch)
             _, loss = model(inputs, targets)
             optimizer.zero_grad(set_to_none=True)
@@ -163,9 +171,7 @@ def main(argv=None) -> None:
 
             global_loss = accelerator.gather(loss.detach()).mean()  # every process's loss
             sums = accelerator.gather(parameter_checksum(model, accelerator.device)).tolist()
-            tokens_per_s = accelerator.num_processes * inputs.numel() / (time.perf_counter() - start)
-            accelerator.print(f"step {step:3d} | global loss {global_loss.item():.4f} | "
-                              f"{tokens_per_s:,.0f} tokens/s | replicas in sync: "
+            accelerator.print(f"step {step:3d} | global loss {global_loss.item():.4f} | replicas in sync: "
                               f"{len(set(sums)) == 1} | checksums {', '.join(f'{s:.6f}' for s in sums)}")
             if step == args.steps:
                 break
@@ -183,8 +189,8 @@ def main(argv=None) -> None:
             print(f"saved {args.state_dir}: {', '.join(files)}")
     # Printed by every process: equal on all of them iff the replicas ended in sync.
     checksum = parameter_checksum(model, accelerator.device).item()
-    print(f"launcher RANK={os.environ.get('RANK', '-')}, accelerate process "
-          f"{accelerator.process_index}: final checksum {checksum:.6f}", flush=True)
+    print_in_rank_order(accelerator, f"launcher RANK={os.environ.get('RANK', '-')}, accelerate "
+                        f"process {accelerator.process_index}: final checksum {checksum:.6f}")
     accelerator.end_training()  # tears down the process group
     # --8<-- [end:save]
 
