@@ -79,5 +79,15 @@ def format_table(result: dict) -> str:
     return "\n".join(lines).rstrip()
 
 
+def main(argv=None) -> None:
+    from snippets.training.flags import Parser, int_at_least
+
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int_at_least(1), default=11,
+                        help="rounds to take the median over (11, as in `make bench`; fewer for a "
+                             "quick, noisier look)")
+    print(format_table(run(rounds=parser.parse_args(argv).rounds)))
+
+
 if __name__ == "__main__":
-    print(format_table(run()))
+    main()

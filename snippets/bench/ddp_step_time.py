@@ -165,5 +165,15 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def main(argv=None) -> None:
+    from snippets.training.flags import Parser, int_at_least
+
+    parser = Parser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rounds", type=int_at_least(1), default=30,
+                        help="rounds to take the median over (30, as in `make bench`; fewer for a "
+                             "quick, noisier look)")
+    print(format_table(run(rounds=parser.parse_args(argv).rounds)))
+
+
 if __name__ == "__main__":
-    print(format_table(run()))
+    main()
