@@ -49,18 +49,27 @@ def test_workers_log_per_rank_see_different_shards_and_stay_in_sync(two_ranks):
     assert len(set(checksums)) == 1
 
 
-def test_without_gradient_sync_replicas_drift_apart(tmp_path):
-    result = torchrun(tmp_path, "--steps", "3", "--no-sync", nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    log = (tmp_path / "logs" / "rank_0" / "train.log").read_text()
-    assert "replicas in sync: False" in log
+@pytest.fixture(scope="module")
+def unsynced_then_failing(tmp_path_factory):
+    """One 2-rank run without gradient sync in which rank 1 raises after step 2: the drift shows
+    in steps 1 and 2, the failure after them, for the price of one torchrun."""
+    tmp = tmp_path_factory.mktemp("fail")
+    result = torchrun(tmp, "--steps", "3", "--no-sync", "--fail-rank", "1", "--fail-step", "2",
+                      nproc=2)
+    return tmp, result
 
 
-def test_a_failing_rank_stops_the_job_and_is_named(tmp_path):
-    result = torchrun(tmp_path, "--steps", "6", "--fail-rank", "1", "--fail-step", "3", nproc=2)
+def test_without_gradient_sync_replicas_drift_apart(unsynced_then_failing):
+    tmp, _ = unsynced_then_failing
+    log = (tmp / "logs" / "rank_0" / "train.log").read_text()
+    assert log.count("replicas in sync: False") == 2, log  # steps 1 and 2, then rank 1 fails
+
+
+def test_a_failing_rank_stops_the_job_and_is_named(unsynced_then_failing):
+    _, result = unsynced_then_failing
     assert result.returncode != 0
     # run_main: one line naming the rank, and the traceback recorded for torchrun's summary
-    assert "error: rank 1: RuntimeError: simulated failure on rank 1 at step 3" in result.stderr
+    assert "error: rank 1: RuntimeError: simulated failure on rank 1 at step 2" in result.stderr
     root_cause = result.stderr.split("Root Cause")[1]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause)
     assert "error_file: <N/A>" not in root_cause and "simulated failure on rank 1" in root_cause
