@@ -436,6 +436,18 @@ SGO_RESHARDS = (12, "exercise-12", """
         replicas, shards, reshard = layouts[self.fsdp_config.sharding_strategy]
         return {"mesh": self._device_mesh(replicas, shards), "reshard_after_forward": reshard}
         """, "Those are FULL_SHARD's numbers: you gave SHARD_GRAD_OP FULL_SHARD's layout")
+# Exercise 13's answer, with {} standing for the policy's fields but param_dtype.
+PRECISION = """
+        name = self.fsdp_config.mixed_precision
+        dtypes = {{"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}}
+        if name not in dtypes:
+            raise ConfigError(f"{{name}} is not one of bf16, fp16, fp32")
+        return MixedPrecisionPolicy(param_dtype=dtypes[name]{})
+        """
+# On the phase-3 page, and checked there (below): not in FSDP_WRONG, so it runs once.
+REDUCE_IN_BF16 = (13, "exercise-13", PRECISION.format(""),
+                  "bf16, measured on 2 ranks: the gradients were reduce-scattered in bfloat16, "
+                  "231,040 bytes per backward where float32 moves 462,080; fp32 was asked for")
 FSDP_WRONG = {
     "strategy-hybrid-swapped": (12, "exercise-12", """
         ranks, group = self.world_size, self.shard_group_size
@@ -451,19 +463,24 @@ FSDP_WRONG = {
         replicas, shards, reshard = layouts[self.fsdp_config.sharding_strategy]
         return {"mesh": self._device_mesh(replicas, shards), "reshard_after_forward": reshard}
         """, "Those are SHARD_GRAD_OP's numbers: you gave NO_SHARD SHARD_GRAD_OP's layout"),
-    "precision-reduce-in-bf16": (13, "exercise-13", """
-        name = self.fsdp_config.mixed_precision
-        dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-        if name not in dtypes:
-            raise ConfigError(f"{name} is not one of bf16, fp16, fp32")
-        return MixedPrecisionPolicy(param_dtype=dtypes[name])
-        """, "gradients are reduced in bfloat16 (reduce_dtype, which defaults to param_dtype)"),
+    # Exercise 13's mistakes, each one run of the check on 2 processes (its fields left at
+    # their defaults but the one planted; leaving out reduce_dtype is on the page, below).
     "precision-unknown-is-fp32": (13, "exercise-13", """
         name = self.fsdp_config.mixed_precision
         dtypes = {"bf16": torch.bfloat16, "fp16": torch.float16}
         return MixedPrecisionPolicy(param_dtype=dtypes.get(name, torch.float32),
                                     reduce_dtype=torch.float32)
         """, "for mixed_precision='fp8' you returned"),
+    "precision-output-in-compute-dtype": (13, "exercise-13", PRECISION.format(
+        ", reduce_dtype=torch.float32, output_dtype=dtypes[name]"),
+        "bf16, measured on 2 ranks: the loss came back in bfloat16 ("),
+    "precision-output-fp32-everywhere": (13, "exercise-13", PRECISION.format(
+        ", reduce_dtype=torch.float32, output_dtype=torch.float32"),
+        "output_dtype=float32 casts the outputs of EVERY unit, each block's too"),
+    "precision-inputs-not-cast": (13, "exercise-13", PRECISION.format(
+        ", reduce_dtype=torch.float32, cast_forward_inputs=False"),
+        "bf16, measured on 2 ranks: a block handed fp32 activations (as from any module "
+        "outside the policy) gave 'expected m1 and m2 to have the same dtype"),
     "policy-no-root": (14, "exercise-14",
                        "return [m for m in model.modules() if isinstance(m, Block)]",
                        "without the model itself: embed_tokens (tied to lm_head)"),
@@ -514,6 +531,25 @@ def test_the_strategy_failure_shown_on_the_fsdp_page_is_real(tmp_path):
     assert result.status == "FAIL" and explanation in result.message, result.message
     page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
     assert f"```text\n{_report(result)}\n```" in page, _report(result)
+
+
+def test_the_precision_failure_shown_on_the_fsdp_page_is_real(tmp_path):
+    # reduce_dtype left out: FSDP2 reduce-scatters bf16 gradients in bf16, measured and named.
+    from snippets.exercises.__main__ import _report
+
+    number, section, body, explanation = REDUCE_IN_BF16
+    result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
+    assert result.status == "FAIL" and explanation in result.message, result.message
+    page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
+    assert f"```text\n{_report(result)}\n```" in page, _report(result)
+
+
+def test_the_untouched_precision_stub_is_not_started(tmp_path):
+    workspace = workspace_with(tmp_path, {}, stubbed={13})
+    result = run_check(catalog.get(13), workspace)
+    assert result.status == "not started", result
+    assert result.message.startswith(
+        f"not started yet: edit {tmp_path / catalog.FSDP_FILE} at line "), result.message
 
 
 def test_a_stub_is_not_started_and_blocks_what_builds_on_it(tmp_path):

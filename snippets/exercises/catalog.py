@@ -303,19 +303,26 @@ EXERCISES: tuple[Exercise, ...] = (
         number=13, title="FSDPTrainer._get_mixed_precision_policy", file=FSDP_FILE,
         sections=("exercise-13",), phase=3,
         task="return the MixedPrecisionPolicy for self.fsdp_config.mixed_precision (bf16, "
-             "fp16 or fp32): compute in that dtype, reduce gradients in float32; raise "
-             "ConfigError for any other name",
-        concept="Mixed precision, bf16 against fp16",
-        difficulty="Easy (about 10 lines, if/elif/return)",
+             "fp16 or fp32) that gathers and computes in that dtype, reduces gradients in "
+             "float32, hands the loss back in float32 and casts every unit's inputs to the "
+             "compute dtype; raise ConfigError for any other name. The check measures what "
+             "your policy makes FSDP2 do on 2 processes",
+        concept="Mixed precision under FSDP: what each field of the policy changes, measured",
+        difficulty="Easy (about 10 lines), once you can predict what each field does",
         hints=(
-            "MixedPrecisionPolicy(param_dtype=..., reduce_dtype=...): param_dtype is what the "
-            "all-gathered parameters are cast to for forward and backward",
-            "reduce_dtype=torch.float32 in every case: gradients summed over ranks in bf16 "
-            "keep only 8 bits of mantissa",
-            "bf16 has fp32's exponent range and needs no loss scaling; fp16 (torch.float16) "
-            "does, because small gradients underflow to zero",
-            "the sharded parameters themselves always stay fp32: the policy only changes the "
-            "gathered copies used for computing",
+            "predict first, for 2 ranks, fp32 against bf16: the bytes one forward all-gathers, "
+            "the bytes one backward reduce-scatters, the dtype of the loss handed back, and "
+            "what a block handed fp32 activations computes in; the check prints what your "
+            "policy measures",
+            "MixedPrecisionPolicy has four fields: param_dtype (what each unit's all-gather "
+            "produces and computes in), reduce_dtype (what gradients are reduce-scattered in), "
+            "output_dtype (what every unit's outputs are cast to) and cast_forward_inputs",
+            "reduce_dtype defaults to param_dtype: leave it out and bf16 gradients are summed "
+            "over ranks in bf16, every partial sum rounded to 8 significant bits",
+            "output_dtype applies to EVERY unit, the blocks too, not only the model; this GPT "
+            "computes its loss in fp32 itself (logits.float()), so leave it None",
+            "cast_forward_inputs=True (the default) casts a unit's floating-point inputs to "
+            "param_dtype, so fp32 activations never meet bf16 weights in a matmul",
         ),
         check="check_mixed_precision_policy",
     ),

@@ -151,24 +151,39 @@ class FSDPTrainer(DistributedTrainer):
 
     # --8<-- [start:mixed-precision]
     def _get_mixed_precision_policy(self) -> MixedPrecisionPolicy:
-        """Compute in bf16, fp16 or fp32; always keep fp32 shards and reduce gradients in fp32."""
+        """fully_shard's mp_policy for the configured compute dtype (bf16, fp16 or fp32): fp32
+        shards, gradients reduced in fp32, the loss handed back in fp32."""
         # --8<-- [start:exercise-13]
         name = self.fsdp_config.mixed_precision
-        # param_dtype: what the all-gather produces and forward/backward compute in. The
-        # sharded parameters the optimizer updates stay fp32 whatever it is: a bf16 weight
-        # cannot absorb an update 1000x smaller than itself (8 bits of mantissa).
-        # reduce_dtype: what gradients are averaged in. fp32, so that summing N ranks'
-        # gradients does not round each partial sum to 8 bits.
-        if name == "bf16":
-            # fp32's 8 exponent bits: small gradients do not underflow, no loss scaling.
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if name == "fp16":
+        compute = {
+            # fp32's 8 exponent bits, 7 mantissa bits: small gradients do not underflow, and
+            # no loss scaling is needed.
+            "bf16": torch.bfloat16,
             # 10 mantissa bits but 5 exponent bits: gradients under 6e-8 flush to zero, so
             # fp16 training needs a loss scaler.
-            return MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
-        if name == "fp32":
-            return MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-        raise ConfigError(f"mixed_precision={name!r} is not one of {', '.join(MIXED_PRECISION)}")
+            "fp16": torch.float16,
+            "fp32": torch.float32,
+        }
+        if name not in compute:
+            raise ConfigError(f"mixed_precision={name!r} is not one of "
+                              f"{', '.join(MIXED_PRECISION)}")
+        return MixedPrecisionPolicy(
+            # What each unit's all-gather produces and its forward and backward compute in.
+            # The shards the optimizer updates stay fp32 whatever it is: a bf16 weight cannot
+            # absorb an update 1000x smaller than itself (8 significant bits).
+            param_dtype=compute[name],
+            # What gradients are reduce-scattered (averaged over ranks) in. Left out, it is
+            # param_dtype, and every partial sum of N ranks' gradients is rounded to 16 bits.
+            reduce_dtype=torch.float32,
+            # None: a unit's outputs keep the dtype it computed in. A dtype here casts the
+            # outputs of EVERY unit, each block's too, not only the model's: fp32 would hand
+            # lm_head fp32 activations for its bf16 weights. The GPT computes its loss in fp32
+            # itself (logits.float()), so the loss the training loop sees is fp32 already.
+            output_dtype=None,
+            # Cast each unit's floating-point inputs to param_dtype, so that activations
+            # arriving in fp32 meet weights of their own dtype in the unit's matmuls.
+            cast_forward_inputs=True,
+        )
         # --8<-- [end:exercise-13]
     # --8<-- [end:mixed-precision]
 
