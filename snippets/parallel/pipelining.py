@@ -41,9 +41,10 @@ def build_pipeline(model: GPT, stage_index: int, num_stages: int, num_micro_batc
 
 
 def torch_pipeline_train_step(module, schedule, tokens: torch.Tensor, stage_index: int,
-                              num_stages: int):
+                              num_stages: int, group=None):
     """One global batch (B, T+1) forward and backward; the caller steps its optimizer.
-    Returns the mean loss on the last stage, None elsewhere."""
+    Returns the mean loss on the last stage, None elsewhere. `group`: the pipeline's ranks,
+    when they are not the whole world (3-D)."""
     inputs, targets = shift_for_next_token(tokens)
     first, last = stage_index == 0, stage_index == num_stages - 1
     losses = [] if last else None
@@ -51,7 +52,7 @@ def torch_pipeline_train_step(module, schedule, tokens: torch.Tensor, stage_inde
     # model's input, only the last the targets.
     schedule.step(*((inputs,) if first else ()), target=targets if last else None,
                   losses=losses)
-    sync_tied_embedding_grads(module, stage_index, num_stages)  # the library knows no ties
+    sync_tied_embedding_grads(module, stage_index, num_stages, group)  # the library knows no ties
     return sum(loss.item() for loss in losses) if last else None
 # --8<-- [end:build]
 

@@ -15,9 +15,8 @@ Each rank records when every forward and backward started and ended, so a timeli
 and the bubble (the idle share of the step) measured. The loss of each micro-batch is divided by
 m, so the gradients summed over the micro-batches equal one big batch's.
 
-Only torch.distributed primitives are used (isend, recv); tests/test_pipeline.py checks both
-schedules against single-process training. snippets/bench/pipeline_bubble.py measures the bubble
-and snippets/bench/pipeline_memory.py the live tensor memory of a step.
+Only torch.distributed primitives (isend, recv); tests/test_pipeline.py checks both schedules
+against one process; bench/pipeline_bubble.py and bench/pipeline_memory.py measure them.
 """
 
 from __future__ import annotations
@@ -203,11 +202,13 @@ def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int
         return
     weight = stage.embed_tokens.weight if stage_index == 0 else stage.lm_head.weight
     peer = num_stages - 1 if stage_index == 0 else 0
-    other = torch.empty_like(weight.grad)
-    work = dist.isend(weight.grad, group=group, group_dst=peer)
+    grad = weight.grad  # FSDP2 (parallel/three_d.py) shards it: exchange this rank's rows
+    grad = grad.to_local() if hasattr(grad, "to_local") else grad
+    other = torch.empty_like(grad)
+    work = dist.isend(grad, group=group, group_dst=peer)
     dist.recv(other, group=group, group_src=peer)
     work.wait()
-    weight.grad += other  # a + b == b + a exactly, so both copies get the same bits
+    grad += other  # a + b == b + a exactly, so both copies get the same bits
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
