@@ -10,10 +10,11 @@ Where each kind of thing lives:
                  pipeline_interleaved, tensor_parallel, sequence_parallel, context_parallel,
                  moe, expert_data_parallel, three_d, precision; ddp_check and zero_check run
                  two of them against one process
-    parallel/    the library versions of the same ideas, applied to a plain model: DTensor
-                 tensor parallelism (and 2-D with FSDP2), pipelining, sequence and context
-                 parallelism; FSDP2 itself is in training/fsdp_trainer.py, DeepSpeed in
-                 cluster/deepspeed/, Accelerate in training/
+    library/     the library versions of the same ideas under the same names, applied to a
+                 plain model (scratch/X <-> library/X): pipeline, tensor_parallel (and 2-D with
+                 FSDP2), sequence_parallel, context_parallel, three_d; FSDP2 itself is in
+                 training/fsdp_trainer.py, DDP in training/ddp_trainer.py, DeepSpeed in
+                 cluster/deepspeed/, Accelerate in training/; TorchTitan's CPU launcher
     training/    the trainers and the lesson scripts (train_tiny_transformer, ddp_trainer,
                  fsdp_trainer, accelerate_train, ...), checkpoints, command-line flag checks
     cluster/     more than one node: the fake multi-node launcher, SLURM scripts, DeepSpeed

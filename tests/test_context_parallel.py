@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from snippets.dist import spawn
-from snippets.parallel.context_parallel import library_ring_attention, public_api_error
+from snippets.library.context_parallel import library_ring_attention, public_api_error
 from snippets.planner import cost_model as cm
 from snippets.scratch.context_parallel import (
     Ring,

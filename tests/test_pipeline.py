@@ -26,7 +26,7 @@ def pipeline_worker(rank, world_size, micro_batch_counts):
                for m in micro_batch_counts}
     if world_size == 2:  # torch's schedules and the memory measurement, in the same processes
         results["memory"] = memory_worker(rank, world_size, list(MEMORY_MICRO_BATCHES))
-        from snippets.parallel.pipelining import train_torch_pipeline  # a slow import: only here
+        from snippets.library.pipeline import train_torch_pipeline  # a slow import: only here
 
         results["torch"] = train_torch_pipeline(rank, world_size, list(SCHEDULES),
                                                 micro_batch_counts[-1], STEPS, BATCH, SEQ)

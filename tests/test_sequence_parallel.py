@@ -11,9 +11,9 @@ from torch.distributed.tensor import Replicate, Shard
 from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.parallel.sequence_parallel import apply_sp
-from snippets.parallel.sequence_parallel import first_step as dtensor_first_step
-from snippets.parallel.tensor_parallel import train
+from snippets.library.sequence_parallel import apply_sp
+from snippets.library.sequence_parallel import first_step as dtensor_first_step
+from snippets.library.tensor_parallel import train
 from snippets.planner import cost_model as cm
 from snippets.scratch.sequence_parallel import apply_sequence_parallel, collective_payloads_per_step
 from snippets.scratch.tensor_parallel import all_reduce_bytes_per_step, apply_tensor_parallel

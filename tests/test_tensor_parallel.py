@@ -11,7 +11,7 @@ from snippets.bench import tensor_parallel as bench
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.data.dataset import random_token_batches
-from snippets.parallel.tensor_parallel import apply_tp, full_weights, parallelize_2d, train
+from snippets.library.tensor_parallel import apply_tp, full_weights, parallelize_2d, train
 from snippets.scratch.tensor_parallel import (
     all_reduce_bytes_per_step,
     apply_tensor_parallel,

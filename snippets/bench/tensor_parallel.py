@@ -7,7 +7,7 @@ order rotating), as in ddp_step_time:
 - "one process": the whole model on each rank, no communication. Both ranks run it at once with
   one thread each, so it is the single-process step time under the same load as the others.
 - "TP from scratch": snippets/scratch/tensor_parallel.py.
-- "TP DTensor": snippets/parallel/tensor_parallel.py, the TorchTitan-style plan.
+- "TP DTensor": snippets/library/tensor_parallel.py, the TorchTitan-style plan.
 - "TP DTensor, no PrepareModuleInput": the same plan without the input preparation of the
   attention and the MLP, so every column-parallel layer all-reduces its own input gradient.
 
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.parallel.tensor_parallel import apply_tp
+from snippets.library.tensor_parallel import apply_tp
 from snippets.scratch.tensor_parallel import all_reduce_bytes_per_step, apply_tensor_parallel
 
 REFERENCE = "one process"

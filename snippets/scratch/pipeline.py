@@ -202,7 +202,7 @@ def sync_tied_embedding_grads(stage: GPTStage, stage_index: int, num_stages: int
         return
     weight = stage.embed_tokens.weight if stage_index == 0 else stage.lm_head.weight
     peer = num_stages - 1 if stage_index == 0 else 0
-    grad = weight.grad  # FSDP2 (parallel/three_d.py) shards it: exchange this rank's rows
+    grad = weight.grad  # FSDP2 (library/three_d.py) shards it: exchange this rank's rows
     grad = grad.to_local() if hasattr(grad, "to_local") else grad
     other = torch.empty_like(grad)
     work = dist.isend(grad, group=group, group_dst=peer)

@@ -6,7 +6,7 @@ and receives between neighbouring ranks, and ScheduleGPipe / Schedule1F1B decide
 forwards and backwards. tests/test_pipeline.py checks both against the from-scratch schedules and
 against single-process training.
 
-    python -m snippets.parallel.pipelining      # 2 stages, both schedules, compared
+    python -m snippets.library.pipeline      # 2 stages, both schedules, compared
 """
 
 from __future__ import annotations

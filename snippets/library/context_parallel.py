@@ -13,7 +13,7 @@ passes. Called with them, below the public API, the library's ring runs on gloo:
 `library_ring_attention` does that, on this rank's shard in the same head-tail layout as
 snippets/scratch/context_parallel.py.
 
-    python -m snippets.parallel.context_parallel    # both, on 2 ranks
+    python -m snippets.library.context_parallel    # both, on 2 ranks
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ hand back Shard(1), a reduce-scatter. The embedding and the output layer are spl
 vocabulary, and `loss_parallel()` computes the cross-entropy on logits sharded by vocabulary,
 never gathering the (B, T, vocab) tensor.
 
-    python -m snippets.parallel.sequence_parallel    # 2 CPU processes against one process
+    python -m snippets.library.sequence_parallel    # 2 CPU processes against one process
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ process. What the scratch version builds by hand, the libraries provide:
 
 - the groups: `init_device_mesh(..., ("pp", "dp", "tp"))`, one call, and `mesh["tp"]`,
   `mesh["dp"]`, `mesh["pp"]` are its 1-D slices (scratch: `Mesh` and `build_groups`);
-- TP: `parallelize_module` with the plan of snippets/parallel/tensor_parallel.py (scratch:
+- TP: `parallelize_module` with the plan of snippets/library/tensor_parallel.py (scratch:
   `apply_tensor_parallel`);
 - DP: `fully_shard` over `mesh["dp"]`, which shards each block over the data-parallel ranks of
   its stage and TP shard, and reduce-scatters its gradients among exactly those (scratch:
@@ -16,7 +16,7 @@ process. What the scratch version builds by hand, the libraries provide:
 
 The order of the mesh's dimensions is TorchTitan's: PP outermost, TP innermost.
 
-    python -m snippets.parallel.three_d     # PP x DP x TP = 2 x 2 x 2 on 8 CPU processes
+    python -m snippets.library.three_d     # PP x DP x TP = 2 x 2 x 2 on 8 CPU processes
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 from torch.distributed.tensor.parallel import parallelize_module
 
 from snippets.models.gpt import GPT, get_config
-from snippets.parallel.pipelining import torch_pipeline_train_step
-from snippets.parallel.tensor_parallel import block_plan, full_weights
+from snippets.library.pipeline import torch_pipeline_train_step
+from snippets.library.tensor_parallel import block_plan, full_weights
 from snippets.scratch.pipeline import cross_entropy, single_process, split_into_stages
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
 
@@ -50,7 +50,7 @@ def parallelize_3d(model: GPT, pp: int, dp: int, tp: int, micro_batches: int,
     stage = PipelineStage(module, stage_index, pp, torch.device(device_type),
                           group=mesh["pp"].get_group())
 
-    def loss_fn(logits, targets):  # the mean over micro-batches, as in parallel/pipelining.py
+    def loss_fn(logits, targets):  # the mean over micro-batches, as in library/pipeline.py
         return cross_entropy(logits, targets) / micro_batches
 
     schedule = Schedule1F1B(stage, n_microbatches=micro_batches, loss_fn=loss_fn,

@@ -7,7 +7,7 @@ RowwiseParallel, PrepareModuleInput), and `parallelize_module` swaps each weight
 shard and installs hooks that insert the collectives. As in TorchTitan, the plain model is
 built first and parallelized afterwards; the training loop does not know.
 
-    python -m snippets.parallel.tensor_parallel    # 2-D: FSDP x TP on a 2 x 2 mesh of 4 CPU processes
+    python -m snippets.library.tensor_parallel    # 2-D: FSDP x TP on a 2 x 2 mesh of 4 CPU processes
 """
 
 from __future__ import annotations
