@@ -9,6 +9,7 @@ fails here, naming the page. Everything is in-process and cheap: no process is s
 
 import dataclasses
 import inspect
+import math
 import os
 import re
 
@@ -178,3 +179,257 @@ def test_fsdp2_hybrid_sharding_is_a_2d_mesh():
     doc = re.sub(r"\s+", " ", inspect.getdoc(fully_shard))
     assert ("If 2D, then parameters are sharded across the 1st dim and replicated across the 0th dim"
             " (HSDP)") in doc
+
+
+# ---------------------------------------------------------------- the course, Weeks 1-4
+
+def _source_of(package: str, file: str) -> str:
+    """A file of an installed package, read as text (importing it would cost more)."""
+    import importlib.util
+    from pathlib import Path
+    return (Path(importlib.util.find_spec(package).origin).parent / file).read_text(encoding="utf-8")
+
+
+def test_nbdistributed_start_pause_cell_timeout_and_reset():
+    # nbdistributed.md: %dist_init sleeps a fixed 2 s, a cell waits 30 s for the workers, and
+    # %dist_reset runs exactly the pkill commands the page lists (nbdistributed 0.1.0's source).
+    import ast
+    page = "course/week-1/nbdistributed.md"
+    stated(page, r"`%dist_init` returns after a fixed\s+two-second pause")
+    assert "time.sleep(2)" in _source_of("nbdistributed", "process_manager.py")
+    [(line, (seconds,))] = stated(page, r"the first cell then hangs for (\d+) seconds")
+    tree = ast.parse(_source_of("nbdistributed", "communication.py"))
+    [send_to_all] = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "send_to_all"]
+    assert ast.literal_eval(send_to_all.args.defaults[-1]) == int(seconds), f"docs/{page}:{line}"
+    [(line, (bullet,))] = stated(page, r"Its \"nuclear\" shutdown runs\s+((?:`pkill[^`]*`[,\s]*(?:and\s+)?)+)")
+    on_page = sorted(c.replace('"', "") for c in re.findall(r"`(pkill[^`]*)`", bullet))
+    tree = ast.parse(_source_of("nbdistributed", "magic.py"))
+    [nuclear] = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_nuclear_shutdown"]
+    in_source = sorted(" ".join(ast.literal_eval(call.args[0])) for call in ast.walk(nuclear)
+                       if isinstance(call, ast.Call) and call.args and isinstance(call.args[0], ast.List)
+                       and ast.literal_eval(call.args[0])[:1] == ["pkill"])
+    assert on_page == in_source, f"docs/{page}:{line}: the page lists {on_page}, the source runs {in_source}"
+
+
+def test_ddp_from_scratch_buckets_default_to_torch_ddps_cap():
+    # ddp-from-scratch.md: our BucketedDDP/OverlappedDDP and torch's DDP share the default cap
+    # (both count it in MiB: 2**20 bytes per "MB").
+    page = "course/week-1/ddp-from-scratch.md"
+    [(line, (mb,))] = stated(page, r"Both\s+PyTorch's DDP and ours default to (\d+) MB")
+    from torch.nn.parallel import distributed as ddp_module
+
+    from snippets.scratch.ddp import BucketedDDP, OverlappedDDP
+    ours = {inspect.signature(c).parameters["bucket_cap_mb"].default for c in (BucketedDDP, OverlappedDDP)}
+    assert ours == {int(mb)} == {ddp_module._DEFAULT_BUCKET_CAP_MB}, f"docs/{page}:{line}: ours {ours}"
+
+
+def test_fsdp2_reduce_dtype_and_offload_defaults():
+    # fsdp.md: left unset, reduce_dtype is None and the reduction runs in param_dtype;
+    # CPUOffloadPolicy pins host memory unless told not to.
+    page = "course/week-2/fsdp.md"
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    [(line, (value,))] = stated(page, r"`MixedPrecisionPolicy`'s default is `reduce_dtype=(\w+)`, and then the"
+                                      r" reduction runs in\s+`param_dtype`")
+    assert str(MixedPrecisionPolicy().reduce_dtype) == value, f"docs/{page}:{line}"
+    doc = re.sub(r"\s+", " ", inspect.getdoc(MixedPrecisionPolicy))
+    assert "If this is ``None`` but ``param_dtype`` is not ``None``, then the reduction uses the compute dtype" in doc
+    [(line, (pin,))] = stated(page, r"`pin_memory=(True|False)` \(page-locked host memory, the policy's default\)")
+    assert str(CPUOffloadPolicy().pin_memory) == pin, f"docs/{page}:{line}"
+
+
+def test_interleaved_1f1b_warmup_and_rounds():
+    # interleaved-pipeline.md: torch's interleaved warm-up is Megatron's, two forwards per rank
+    # downstream, and m need only be a multiple of the number of rounds, max(1, m // p).
+    from torch.distributed.pipelining import schedules
+    page = "course/week-3/interleaved-pipeline.md"
+    [(line, (factor,))] = stated(page, r"`multiply_factor=(\d+)` in `_get_warmup_ops`")
+    assert inspect.signature(schedules._get_warmup_ops).parameters["multiply_factor"].default == int(factor), \
+        f"docs/{page}:{line}"
+    stated(page, r"a round is \$p\$ micro-batches when \$p\$ divides \$m\$, which gives \$\(v-1\)p \+ 2\(p-1-r\)\$")
+    for p, v, m in [(2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9)]:
+        for r in range(p):  # microbatches_per_round = p when p divides m
+            assert schedules._get_warmup_ops(r, v, p, p, m) == min((v - 1) * p + 2 * (p - 1 - r), v * m)
+    stated(page, r"it needs \$m\$ to be a multiple of\s+\$\\max\(1, \\lfloor m/p \\rfloor\)\$ \(its `ValueError`"
+                 r" \"Interleaved 1F1B requires the number of\s+microbatches to be a multiple of the number"
+                 r" of rounds\"\)")
+    src = inspect.getsource(schedules.ScheduleInterleaved1F1B.__init__)
+    assert "self.number_of_rounds = max(1, n_microbatches // self.pp_group_size)" in src
+    assert "if n_microbatches % self.number_of_rounds != 0:" in src
+
+
+def test_fp8_casts_without_a_scale():
+    # low-precision.md: unscaled, e5m2 overflows to infinity from halfway past its largest
+    # number, and 1e-3 lands on e4m3's smallest subnormal but on a normal e5m2 number.
+    page = "course/week-3/low-precision.md"
+    e4m3, e5m2 = torch.float8_e4m3fn, torch.float8_e5m2
+    [(line, (start, largest))] = stated(page, r"e5m2 rounds up to \*\*infinity\*\* from ([\d,]+) \(halfway past its"
+                                              r" largest number,\s+([\d,]+)\)")
+    start, largest = int(start.replace(",", "")), int(largest.replace(",", ""))
+    assert largest == torch.finfo(e5m2).max, f"docs/{page}:{line}"
+    step = 2.0 ** math.floor(math.log2(largest)) * torch.finfo(e5m2).eps  # the spacing at the top
+    assert start == largest + step / 2, f"docs/{page}:{line}"
+    just_below = torch.nextafter(torch.tensor(float(start)), torch.tensor(0.0))
+    assert torch.tensor(float(start)).to(e5m2).float().item() == math.inf
+    assert just_below.to(e5m2).float().item() == largest
+    stated(page, r"\$10\^\{-3\}\$ becomes e4m3's smallest subnormal, \$2\^\{-9\}\$")
+    stated(page, r"in e5m2 it is a normal number and rounds to the nearest one,\s+\$2\^\{-10\}")
+    thousandth = torch.tensor(1e-3)
+    assert thousandth.to(e4m3).float().item() == 2.0 ** -9 == torch.finfo(e4m3).smallest_normal / 8
+    assert thousandth.to(e5m2).float().item() == 2.0 ** -10 and 2.0 ** -10 >= torch.finfo(e5m2).smallest_normal
+
+
+def test_function_returning_its_input_still_runs_backward():
+    # tensor-parallel-from-scratch.md: returning x itself from a Function's forward would also
+    # work; autograd makes the view on its own and records the node.
+    stated("course/week-4/tensor-parallel-from-scratch.md",
+           r"Returning `x` itself would work as well in torch 2.13: autograd notices that a\s+`Function`"
+           r" handed back one of its inputs unmodified and makes that view on its own")
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return 2 * grad
+
+    x = torch.ones(3, requires_grad=True)
+    y = Double.apply(x)
+    assert y is not x and y._base is x and type(y.grad_fn).__name__ == "DoubleBackward"
+    y.sum().backward()
+    assert x.grad.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_colwise_and_rowwise_parallel_defaults():
+    # tensor-parallel-torch.md's table of styles and their use_local_output default.
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    page = "course/week-4/tensor-parallel-torch.md"
+    [(line, (value,))] = stated(page, r"`ColwiseParallel` and `RowwiseParallel` default to\s+"
+                                      r"`use_local_output=(True|False)`")
+    stated(page, r"\| `ColwiseParallel\(\)` \| `Shard\(0\)`: rows of `W`, output features \| `Replicate`"
+                 r" \| `Shard\(-1\)`")
+    stated(page, r"\| `RowwiseParallel\(\)` \| `Shard\(1\)`: columns of `W`, input features \| `Shard\(-1\)`"
+                 r" \| `Replicate`")
+    col, row = ColwiseParallel(), RowwiseParallel()
+    assert str(col.use_local_output) == str(row.use_local_output) == value, f"docs/{page}:{line}"
+    assert (col.input_layouts, col.output_layouts) == ((Replicate(),), (Shard(-1),))
+    assert (row.input_layouts, row.output_layouts) == ((Shard(-1),), (Replicate(),))
+    assert "[Shard(0)]" in inspect.getsource(ColwiseParallel._partition_linear_fn)
+    assert "[Shard(1)]" in inspect.getsource(RowwiseParallel._partition_linear_fn)
+
+
+def test_context_parallel_defaults_layout_and_cited_lines():
+    # context-parallel.md reads torch 2.13's context parallelism by line number; each cited line
+    # still holds what the page says, the default rotation is an all-gather, and the head-tail
+    # balancer gives rank r chunks r and 2N-1-r.
+    from torch.distributed.tensor.experimental._context_parallel import _attention, _load_balancer
+    page = "course/week-4/context-parallel.md"
+    [(line, (method,))] = stated(page, r"by default \(`_cp_options.rotate_method`, line \d+, `(\w+)`\)")
+    assert _attention._ContextParallelOptions().rotate_method.name == method, f"docs/{page}:{line}"
+    stated(page, r"`_HeadTailLoadBalancer`\s+in `_context_parallel/_load_balancer.py`: rank r gets chunks r and 2N-1-r")
+    for n in (2, 4):  # a sequence of 2N tokens: chunks of one token each
+        chunks = _load_balancer._HeadTailLoadBalancer(2 * n, n, "cpu")._generate_indices().view(n, 2)
+        assert chunks.tolist() == [[r, 2 * n - 1 - r] for r in range(n)]
+    attention = _source_of("torch", "distributed/tensor/experimental/_context_parallel/_attention.py").splitlines()
+    sharding = _source_of("torch", "distributed/tensor/_sharding_prop.py").splitlines()
+    for pattern, lines, expected in [
+        (r"lines (\d+)-\d+ \(`custom_ops`\)", attention, "custom_ops = {"),
+        (r"_sharding_prop.py` line (\d+)", sharding, "raise NotImplementedError("),
+        (r"`_templated_ring_attention` \(line (\d+)\)", attention, "def _templated_ring_attention("),
+        (r"`_templated_ring_attention_backward` \(line (\d+)\)", attention, "def _templated_ring_attention_backward("),
+        (r"`_cp_options.rotate_method`, line (\d+)", attention,
+         "rotate_method: _RotateMethod = _RotateMethod.ALL_GATHER"),
+        (r"`_AllToAllRotater` \(chosen at line (\d+)\)", attention, "method=_RotateMethod.ALL_TO_ALL"),
+    ]:
+        [(line, (number,))] = stated(page, pattern)
+        assert expected in lines[int(number) - 1], f"docs/{page}:{line}: line {number} is {lines[int(number) - 1]!r}"
+    [(line, (last,))] = stated(page, r"lines \d+-(\d+) \(`custom_ops`\)")
+    assert attention[int(last) - 1] == "}", f"docs/{page}:{line}"
+
+
+def test_new_group_is_entered_by_every_rank():
+    # three-d.md: every rank creates every group, its own or not, in the same order.
+    stated("course/week-4/three-d.md", r"`dist.new_group` is itself a collective over the \*whole world\*:\s+every rank"
+                                       r" creates every group, its own or not, in the same order")
+    doc = re.sub(r"\s+", " ", inspect.getdoc(dist.new_group))
+    assert ("requires that all processes in the main group (i.e. all processes that are part of the distributed job)"
+            " enter this function, even if they are not going to be members of the group") in doc
+    assert "groups should be created in the same order in all processes" in doc
+    assert inspect.signature(dist.new_group).parameters["use_local_synchronization"].default is False
+
+
+def test_ddp_unused_parameters_and_static_graph():
+    # ddp-from-scratch.md: find_unused_parameters searches the graph after every forward;
+    # static_graph is for a graph that never changes, and lets DDP skip that search.
+    stated("course/week-1/ddp-from-scratch.md",
+           r"`find_unused_parameters=True` for models whose forward\s+leaves some parameters unused \(DDP then"
+           r" searches the autograd graph after every forward\), and\s+`static_graph=True` for models whose"
+           r" graph is the same every step, which lets DDP skip that search\s+and support reentrant activation"
+           r" checkpointing")
+    doc = re.sub(r"\s+", " ", inspect.getdoc(torch.nn.parallel.DistributedDataParallel))
+    assert "find_unused_parameters (bool): Traverse the autograd graph from all tensors contained in the return" \
+           " value of the wrapped module's ``forward`` function" in doc
+    assert "The set of used and unused parameters will not change during the whole training loop" in doc
+    assert "1) Reentrant backwards." in doc
+    assert "DDP will not search graph in each iteration to detect unused parameters when static_graph is set" in doc
+
+
+def test_zero_redundancy_optimizer_broadcasts_whole_parameters():
+    # zero-from-scratch.md: PyTorch's ZeRO-1 owns whole parameters and, by default, broadcasts
+    # each one from its owner after the step.
+    stated("course/week-2/zero-from-scratch.md",
+           r"`ZeroRedundancyOptimizer` shards AdamW's\s+state by whole parameters rather than by a flat buffer,"
+           r" and broadcasts each parameter from its\s+owner instead of all-gathering")
+    import ast  # read, not imported: importing torch.distributed.optim warns about torch.jit
+    text = _source_of("torch", "distributed/optim/zero_redundancy_optimizer.py")
+    [cls] = [c for c in ast.parse(text).body if isinstance(c, ast.ClassDef) and c.name == "ZeroRedundancyOptimizer"]
+    functions = {f.name: f for f in cls.body if isinstance(f, ast.FunctionDef)}
+    init = functions["__init__"]
+    defaults = dict(zip([a.arg for a in init.args.kwonlyargs], init.args.kw_defaults))
+    defaults.update(zip([a.arg for a in init.args.args][-len(init.args.defaults):], init.args.defaults))
+    assert ast.literal_eval(defaults["parameters_as_bucket_view"]) is False
+    src = ast.get_source_segment(text, functions["_broadcast_params_from_rank"])
+    assert "tensor=param.data," in src and "src=global_rank," in src
+    assert "all_gather" not in ast.get_source_segment(text, functions["_sync_params"])
+
+
+def test_pipeline_stage_infers_shapes_unless_given():
+    # pipeline-torch.md: without example tensors PipelineStage infers shapes on the first
+    # micro-batch; with input_args and output_args it needs no exchange.
+    stated("course/week-3/pipeline-torch.md",
+           r"`PipelineStage` without `input_args` finds\s+out on the first `step\(\)`")
+    from torch.distributed.pipelining import PipelineStage
+    doc = re.sub(r"\s+", " ", inspect.getdoc(PipelineStage))
+    assert "Dynamic mode: Metadata is inferred from the first microbatch at runtime" in doc
+    assert "Static mode: All of ``input_args``, ``output_args``" in doc
+
+
+def test_ddp_small_first_bucket_only_by_default():
+    # ddp-from-scratch.md: the 1 MiB first bucket belongs to the default; an explicit
+    # bucket_cap_mb (25 included) makes every bucket, the first too, that size.
+    page = "course/week-1/ddp-from-scratch.md"
+    [(line, (mib,))] = stated(page, r"Left at its default, PyTorch's DDP also caps its first\s+bucket, the first"
+                                    r" gradients backward produces, at (\d+) MiB, so that communication starts"
+                                    r" early; any\s+explicit"
+                                    r" `bucket_cap_mb`, 25 included, turns that off")
+    from torch.nn.parallel import distributed as ddp_module
+    create = ddp_module._BucketCapacityConfig.create
+    default = create(None, None, use_python_reducer=False)
+    assert default.first_bucket_bytes_cap == int(mib) * 2**20 == dist._DEFAULT_FIRST_BUCKET_BYTES, f"docs/{page}:{line}"
+    assert default.bucket_bytes_cap == 25 * 2**20
+    explicit = create(25, None, use_python_reducer=False)
+    assert explicit.first_bucket_bytes_cap == explicit.bucket_bytes_cap == 25 * 2**20
+
+
+def test_torchrun_gives_each_node_consecutive_ranks():
+    # three-d.md: a node's workers get a block of consecutive global ranks, so TP innermost
+    # keeps a TP group on one node.
+    stated("course/week-4/three-d.md", r"torchrun gives each node a block of consecutive ranks"
+                                       r" \(`_assign_worker_ranks` in\s+"
+                                       r"`torch/distributed/elastic/agent/server/api.py`\)")
+    from torch.distributed.elastic.agent.server.api import SimpleElasticAgent
+    doc = re.sub(r"\s+", " ", inspect.getdoc(SimpleElasticAgent._assign_worker_ranks))
+    assert ("each worker is assigned a base global rank such that its workers are in the range"
+            " [base_global_rank, base_global_rank + local_world_size)") in doc
