@@ -70,7 +70,7 @@ class EnterTensorParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, stats):
         ctx.group, ctx.stats = group, stats
-        return x.view_as(x)  # a new tensor object, so autograd records this node
+        return x.view_as(x)  # says what happens: returning x, autograd would make this view
 
     @staticmethod
     def backward(ctx, grad):
