@@ -6,10 +6,10 @@ Where each kind of thing lives:
     data/        tokenizers (bytes, BPE), the corpus, token files and shards, batch samplers
     basics/      Session A's first steps: autograd graph, forward-backward-update, memory table
     scratch/     each parallelism built from torch.distributed primitives only, one file each,
-                 at most 300 lines: collectives, sampler, ddp, zero (on flat_shard), pipeline,
-                 pipeline_interleaved, tensor_parallel, sequence_parallel, context_parallel,
-                 moe, expert_data_parallel, three_d, precision; ddp_check and zero_check run
-                 two of them against one process
+                 at most 300 lines: collectives, sampler, ddp, zero and fsdp (on flat_shard),
+                 pipeline, pipeline_interleaved, tensor_parallel, sequence_parallel,
+                 context_parallel, moe, expert_data_parallel, three_d, precision; ddp_check,
+                 zero_check and fsdp_check run three of them against one process
     library/     the library versions of the same ideas under the same names, applied to a
                  plain model (scratch/X <-> library/X): pipeline, tensor_parallel (and 2-D with
                  FSDP2), sequence_parallel, context_parallel, three_d; FSDP2 itself is in
