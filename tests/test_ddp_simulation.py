@@ -23,16 +23,14 @@ def torchrun(tmp_path: Path, *args, nproc=4, torchrun_args=()):
     )
 
 
-def final_loss(log: Path) -> float:
-    return float(re.findall(r"final global loss (\S+)", log.read_text())[-1])
-
-
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     """One unbroken 2-rank run of 6 steps with --grad-norm and a checkpoint every 2, read by the
-    logging tests and the reference for the restart test. Two ranks show everything four do
-    (Lab 2's page runs the four-rank versions) with half the processes, each of which pays
-    about 3 s of CPU to import torch and torch._dynamo before its first step."""
+    logging tests. Two ranks show everything four do (Lab 2's page runs the four-rank versions)
+    with half the processes, each of which pays about 3 s of CPU to import torch and
+    torch._dynamo before its first step. A restart under torchrun's --max-restarts, resuming
+    from the checkpoint and ending at the unbroken run's loss, is Lab 2's own block (section 4),
+    which fails unless both hold."""
     tmp = tmp_path_factory.mktemp("two")
     result = torchrun(tmp, "--steps", "6", "--ckpt-every", "2", "--grad-norm", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -73,19 +71,6 @@ def test_a_failing_rank_stops_the_job_and_is_named(unsynced_then_failing):
     root_cause = result.stderr.split("Root Cause")[1]
     assert re.search(r"rank\s*: 1 \(local_rank: 1\)", root_cause)
     assert "error_file: <N/A>" not in root_cause and "simulated failure on rank 1" in root_cause
-
-
-def test_restart_resumes_from_the_checkpoint_and_reaches_the_same_loss(tmp_path, two_ranks):
-    restarted = torchrun(tmp_path / "b", "--steps", "6", "--ckpt-every", "2", "--grad-norm",
-                         "--fail-rank", "1", "--fail-step", "3", nproc=2,
-                         torchrun_args=["--max-restarts=1"])
-    assert restarted.returncode == 0, restarted.stderr[-3000:]
-    log_b = tmp_path / "b" / "logs" / "rank_0" / "train.log"
-    assert "resumed from" in log_b.read_text() and "at step 2" in log_b.read_text()
-    # Equal to 4 decimals, not bit for bit: DDP regroups its gradient buckets after the first
-    # step of every run, so the resumed run sums some gradients in a different order.
-    a, b = final_loss(two_ranks / "logs" / "rank_0" / "train.log"), final_loss(log_b)
-    assert abs(a - b) < 1e-4, (a, b)
 
 
 def test_grad_norm_is_measured_before_and_after_the_average(two_ranks):
