@@ -72,14 +72,14 @@ print(f"small GPT: {psi:,} parameters, {4 * psi:,} bytes of fp32 weights (Psi = 
 # $4\Psi + (4 + 8)\Psi/N$; ZeRO-3 $16\Psi/N$.
 
 # %%
-MB = 2**20
+MiB = 2**20
 for world_size, rows in results.items():
-    print(f"{world_size} ranks: MB per rank, measured (formula)")
+    print(f"{world_size} ranks: MiB per rank, measured (formula)")
     print(f"  {'variant':<8}{'weights':>16}{'gradients':>16}{'optimizer':>16}{'total':>16}"
           f"{'ratio':>8}")
     for name, row in rows.items():
         cells = "".join(
-            f"{row['state_bytes'][k] / MB:>7.2f} ({row['state_formula_bytes'][k] / MB:>5.2f})"
+            f"{row['state_bytes'][k] / MiB:>7.2f} ({row['state_formula_bytes'][k] / MiB:>5.2f})"
             for k in ("params", "grads", "optimizer", "total"))
         print(f"  {name:<8}{cells}{row['state_ratio_to_formula']:>8.4f}")
 
@@ -101,16 +101,16 @@ for ax, (world_size, rows) in zip(axes, results.items()):
     x = range(len(names))
     bottom = [0.0] * len(names)
     for key, label, color in kinds:
-        heights = [rows[n]["state_bytes"][key] / MB for n in names]
+        heights = [rows[n]["state_bytes"][key] / MiB for n in names]
         ax.bar([i - 0.2 for i in x], heights, 0.4, bottom=bottom, color=color, label=label)
         bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.bar([i + 0.2 for i in x], [rows[n]["state_formula_bytes"]["total"] / MB for n in names],
+    ax.bar([i + 0.2 for i in x], [rows[n]["state_formula_bytes"]["total"] / MiB for n in names],
            0.4, fill=False, edgecolor="black", hatch="//", label="formula (total)")
-    ax.plot([i - 0.2 for i in x], [rows[n]["peak_bytes"] / MB for n in names], "k_",
+    ax.plot([i - 0.2 for i in x], [rows[n]["peak_bytes"] / MiB for n in names], "k_",
             markersize=18, label="peak during a step")
     ax.set_xticks(list(x), names)
     ax.set_title(f"{world_size} ranks")
-axes[0].set_ylabel("MB per rank")
+axes[0].set_ylabel("MiB per rank")
 axes[-1].legend(fontsize=8, loc="upper right")
 fig.suptitle("small GPT, fp32 AdamW: model state per rank, measured (stacked) and formula")
 fig.tight_layout()
@@ -126,10 +126,10 @@ plt.show()
 
 # %%
 for world_size, rows in results.items():
-    print(f"{world_size} ranks: {'variant':<8}{'model state MB':>16}{'peak MB':>10}"
-          f"{'step adds MB':>14}")
+    print(f"{world_size} ranks: {'variant':<8}{'model state MiB':>16}{'peak MiB':>10}"
+          f"{'step adds MiB':>14}")
     for name, row in rows.items():
-        state, peak = row["state_bytes"]["total"] / MB, row["peak_bytes"] / MB
+        state, peak = row["state_bytes"]["total"] / MiB, row["peak_bytes"] / MiB
         print(f"{'':9}{name:<8}{state:>16.2f}{peak:>10.2f}{peak - state:>14.2f}")
 
 # %% [markdown]
@@ -145,17 +145,17 @@ for world_size, rows in results.items():
 
 # %%
 for world_size, rows in results.items():
-    print(f"{world_size} ranks: MB sent per rank per step")
+    print(f"{world_size} ranks: MiB sent per rank per step")
     print(f"  {'variant':<8}{'all-reduce':>12}{'reduce-scatter':>16}{'all-gather':>12}"
           f"{'total':>9}{'theory':>9}{'vs DDP':>8}")
     for name, row in rows.items():
         sent = row["sent_by_collective"]
         if sent is None:  # FSDP2's collectives do not go through CommStats
             continue
-        cells = "".join(f"{sent.get(k, 0) / MB:>{w}.2f}" for k, w in
+        cells = "".join(f"{sent.get(k, 0) / MiB:>{w}.2f}" for k, w in
                         (("all_reduce", 12), ("reduce_scatter", 16), ("all_gather", 12)))
-        print(f"  {name:<8}{cells}{row['sent_bytes_per_step'] / MB:>9.2f}"
-              f"{row['sent_theory_bytes'] / MB:>9.2f}{row['sent_theory_vs_ddp']:>7.1f}x")
+        print(f"  {name:<8}{cells}{row['sent_bytes_per_step'] / MiB:>9.2f}"
+              f"{row['sent_theory_bytes'] / MiB:>9.2f}{row['sent_theory_vs_ddp']:>7.1f}x")
 
 # %% [markdown]
 # ## What to observe

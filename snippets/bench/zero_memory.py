@@ -186,8 +186,8 @@ def format_tables(result: dict) -> str:
              f"{result['backend']}, {result['batch_per_rank']} per rank"]
     for n, rows in result["by_world_size"].items():
         lines += ["", f"{n} ranks",
-                  f"{'variant':<8}{'state MB':>10}{'formula':>9}{'ratio':>7}{'peak MB':>9}"
-                  f"{'sent MB':>9}{'theory':>8}{'vs DDP':>8}{'step vs DDP':>13}"]
+                  f"{'variant':<8}{'state MiB':>10}{'formula':>9}{'ratio':>7}{'peak MiB':>9}"
+                  f"{'sent MiB':>9}{'theory':>8}{'vs DDP':>8}{'step vs DDP':>13}"]
         for name, row in rows.items():
             sent = row["sent_bytes_per_step"]
             lines.append(
