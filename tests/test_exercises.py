@@ -522,22 +522,13 @@ def test_check_explains_a_wrong_implementation(case, tmp_path):
     assert explanation in result.message, result.message
 
 
-def test_the_strategy_failure_shown_on_the_fsdp_page_is_real(tmp_path):
-    # A SHARD_GRAD_OP that reshards after forward measures as FULL_SHARD, and is named so.
+# A SHARD_GRAD_OP that reshards after forward measures as FULL_SHARD; reduce_dtype left out,
+# FSDP2 reduce-scatters bf16 gradients in bf16: each measured, named, and shown on the page.
+@pytest.mark.parametrize("mistake", [SGO_RESHARDS, REDUCE_IN_BF16], ids=["strategy", "precision"])
+def test_the_failure_shown_on_the_fsdp_page_is_real(tmp_path, mistake):
     from snippets.exercises.__main__ import _report
 
-    number, section, body, explanation = SGO_RESHARDS
-    result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
-    assert result.status == "FAIL" and explanation in result.message, result.message
-    page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
-    assert f"```text\n{_report(result)}\n```" in page, _report(result)
-
-
-def test_the_precision_failure_shown_on_the_fsdp_page_is_real(tmp_path):
-    # reduce_dtype left out: FSDP2 reduce-scatters bf16 gradients in bf16, measured and named.
-    from snippets.exercises.__main__ import _report
-
-    number, section, body, explanation = REDUCE_IN_BF16
+    number, section, body, explanation = mistake
     result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
     assert result.status == "FAIL" and explanation in result.message, result.message
     page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
@@ -800,7 +791,7 @@ PARALLEL_WRONG.update({
         "        dist.all_reduce(total, group=group)\n", "")),
         "g's forward must all-reduce the partial results"),
     "tp-f-forward-all-reduces": (19, "f-and-g", edited(F_AND_G, (
-        "        return x.view_as(x)  # a new tensor object, so autograd records this node",
+        "        return x.view_as(x)  # says what happens: returning x, autograd would make this view",
         "        x = x.clone()\n        dist.all_reduce(x, group=group)\n        return x")),
         "f's forward all-reduced x"),
     "tp-column-splits-columns": (19, "linears", edited(LINEARS, (
