@@ -433,3 +433,263 @@ def test_torchrun_gives_each_node_consecutive_ranks():
     doc = re.sub(r"\s+", " ", inspect.getdoc(SimpleElasticAgent._assign_worker_ranks))
     assert ("each worker is assigned a base global rank such that its workers are in the range"
             " [base_global_rank, base_global_rank + local_world_size)") in doc
+
+
+# ---------------------------------------------------------------- the workshop sessions
+
+def test_gpt2_small_ddp_buckets_at_25_mib():
+    # Session B: with bucket_cap_mb=25, GPT-2 small's gradients make 13 buckets, the last the
+    # 147 MiB embedding beside one 3 KB norm gain. DDP rebuilds its buckets after the first step
+    # in the order gradients became ready, reverse registration order for this model (checked
+    # once with DDP itself on 2 gloo ranks: reducer._get_zeros_like_grad_buckets() after step 3).
+    page = "workshop/session-b/slides.md"
+    from snippets.models.gpt import GPT, get_config
+    with torch.device("meta"):
+        shapes = [p.shape for p in GPT(get_config("gpt2-small")).parameters()]
+    grads = [torch.empty(s, device="meta") for s in reversed(shapes)]  # sizes only, no memory
+    buckets, _ = dist._compute_bucket_assignment_by_size(grads, [25 * 2**20], [False] * len(grads))
+    sizes = [sum(grads[i].numel() * 4 for i in b) for b in buckets]
+    for line, (count,) in stated(page, r"GPT-2 small's (?:471 MiB of fp32\s+)?gradients make (\d+) buckets"):
+        assert int(count) == len(buckets), f"docs/{page}:{line}: torch makes {len(buckets)}"
+    [(line, (per_layer, emb, norm))] = stated(
+        page, r"one (\d+) MiB bucket per layer \([^)]*\) and, last, the (\d+) MiB token embedding with only"
+              r" layer 0's (\d) KB norm gain\s+beside it")
+    assert {round(s / 2**20) for s in sizes[:-1]} == {int(per_layer)}, f"docs/{page}:{line}"
+    last = sorted(grads[i].numel() * 4 for i in buckets[-1])
+    assert [last[0] // 2**10, last[1] // 2**20] == [int(norm), int(emb)], f"docs/{page}:{line}: {last}"
+    # Exercise 2's solution: one bucket for the first step, then rebuilt in backward's order.
+    stated(page, r"With the default `find_unused_parameters=False`, DDP's first step puts every gradient in one\s+"
+                 r"bucket; after it, DDP rebuilds the buckets in the order the gradients became ready")
+    import sys
+    from torch.nn.parallel import distributed as ddp_module
+    assert inspect.signature(ddp_module.DistributedDataParallel).parameters["find_unused_parameters"].default is False
+    config = ddp_module._BucketCapacityConfig.create(25, None, use_python_reducer=False)
+    assert config.compute_bucket_size_limits(static_graph=False, find_unused_parameters=False)[0] == [sys.maxsize]
+    assert '"bucket rebuild" bucketizes parameters based on its real execution order in backward graph' in \
+        inspect.getsource(ddp_module.DistributedDataParallel._ddp_init_helper)
+
+
+def test_gradscaler_starts_at_2_to_the_16():
+    # Session B: "With the loss scaled by 2^16 (GradScaler's default start)".
+    page = "workshop/session-b/slides.md"
+    [(line, (power,))] = stated(page, r"With the loss scaled by \\\(2\^\{(\d+)\}\\\) \(GradScaler's default start\)")
+    init_scale = inspect.signature(torch.amp.GradScaler).parameters["init_scale"].default
+    assert init_scale == 2.0 ** int(power), f"docs/{page}:{line}: GradScaler(init_scale={init_scale})"
+
+
+def test_non_reentrant_checkpoint_stops_recomputing_early():
+    # Session A slides: the recomputed block stops before its last projection, because torch's
+    # (non-reentrant) checkpoint stops as soon as it has every tensor backward needs.
+    stated("workshop/session-a/slides.md", r"torch's checkpoint stops\s+recomputing as soon as it has every tensor"
+                                           r" backward needs")
+    from torch.utils import checkpoint
+    doc = re.sub(r"\s+", " ", inspect.getdoc(checkpoint.set_checkpoint_early_stop))
+    assert "By default, non-reentrant checkpoint stops recomputation as soon as it has computed all needed" in doc
+    assert checkpoint._enable_checkpoint_early_stop is None  # unset: the default, early stop on
+    assert "use_reentrant=False" in inspect.getsource(__import__("snippets.models.gpt", fromlist=["GPT"]).GPT.forward)
+
+
+def test_wandb_sync_marker_and_clean_default():
+    # data-and-logging.md: `wandb sync` skips a run with a .wandb.synced marker (beta_sync.py),
+    # and `wandb clean` deletes synced runs older than a day by default (wandb 0.31.0).
+    import ast
+    page = "workshop/session-a/data-and-logging.md"
+    stated(page, r"`wandb sync` skips a run file that has a `\.wandb\.synced` marker beside it \(see\s+"
+                 r"`wandb/cli/beta_sync\.py` in the installed package\)")
+    beta_sync = _source_of("wandb", "cli/beta_sync.py")
+    assert ".wandb.synced marker file" in beta_sync and "if skip_synced and _is_synced(file):" in beta_sync
+    [(line, (days,))] = stated(page, r"`wandb clean` deletes the local copies\s+of synced runs \(those older than"
+                                     r" (a day), by default\)")
+    tree = ast.parse(_source_of("wandb", "cli/clean.py"))
+    options = {ast.literal_eval(call.args[0]): {k.arg: ast.literal_eval(k.value) for k in call.keywords
+                                                if isinstance(k.value, ast.Constant)}
+               for call in ast.walk(tree) if isinstance(call, ast.Call) and call.args
+               and isinstance(call.args[0], ast.Constant) and str(call.args[0].value).startswith("--")}
+    hours = options["--min-hours"]["default"]
+    assert {"a day": 24}[days] == hours, f"docs/{page}:{line}: wandb clean --min-hours defaults to {hours}"
+    assert options["--include-unsynced"]["default"] is False, f"docs/{page}:{line}"
+    # The reader the course writes itself: the pinned wandb ships the messages, not a reader.
+    [(line, (version,))] = stated(page, r"The pinned wandb \(([\d.]+)\) ships the message definitions,\s+"
+                                        r"`wandb\.proto\.wandb_internal_pb2`, but no longer a Python reader")
+    import importlib.metadata
+    assert importlib.metadata.version("wandb") == version, f"docs/{page}:{line}"
+    assert "from wandb.proto.v6.wandb_internal_pb2 import *" in _source_of("wandb", "proto/wandb_internal_pb2.py")
+    assert "_globals['_RECORD']" in _source_of("wandb", "proto/v6/wandb_internal_pb2.py")  # the Record message
+    try:  # read, not imported: importing wandb costs seconds
+        _source_of("wandb", "sdk/internal/datastore.py")  # the Python reader of older releases
+    except FileNotFoundError:
+        pass
+    else:
+        raise AssertionError(f"docs/{page}:{line}: wandb ships sdk/internal/datastore.py again")
+
+
+def test_accelerator_prefers_mps_then_cuda_then_cpu():
+    # profiling-and-accelerate.md: Accelerator() picks MPS when it is there, then CUDA, then the CPU.
+    stated("workshop/session-b/profiling-and-accelerate.md",
+           r"picks the device: Apple's MPS when it is there, then CUDA, then the CPU")
+    from accelerate.state import PartialState
+    src = inspect.getsource(PartialState.default_device.fget)
+    code = src[src.index("if is_mps_available():"):]  # after the docstring, which lists them too
+    order = [code.index(s) for s in ('return torch.device("mps")', "elif torch.cuda.is_available():",
+                                     'else:\n            return torch.device("cpu")')]
+    assert order == sorted(order) and order[0] == code.index("return torch.device("), \
+        "accelerate's PartialState.default_device changed its order"
+
+
+def test_torchrun_error_file_and_record_decorator():
+    # lab-2.md, challenge 3: torchrun gives each worker TORCHELASTIC_ERROR_FILE; @record writes
+    # the traceback there and re-raises.
+    stated("workshop/session-b/lab-2.md", r"torchrun sets `TORCHELASTIC_ERROR_FILE` in each worker's environment")
+    stated("workshop/session-b/lab-2.md", r"`@record`\s+from `torch\.distributed\.elastic\.multiprocessing\.errors`,"
+                                          r" does the same and re-raises")
+    from torch.distributed.elastic.multiprocessing import api, errors
+    assert 'envs[local_rank]["TORCHELASTIC_ERROR_FILE"] = error_file' in inspect.getsource(api)
+    calls = []
+
+    class Handler(errors.ErrorHandler):
+        def record_exception(self, e):
+            calls.append(e)
+
+    def fails():
+        raise ValueError("boom")
+
+    try:
+        errors.record(fails, error_handler=Handler())()
+    except ValueError:
+        pass
+    else:
+        raise AssertionError("@record swallowed the exception")
+    assert [str(e) for e in calls] == ["boom"]
+
+
+def test_rendezvous_defaults_stated_in_the_demo():
+    # demo.md: static rendezvous waits _default_timeout_seconds = 600 s; c10d's join_timeout is 600 s.
+    page = "workshop/session-c/demo.md"
+    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
+    from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
+    [(line, (static,))] = stated(page, r"the static rendezvous waits `_default_timeout_seconds = (\d+)` seconds")
+    assert int(static) == static_tcp_rendezvous._default_timeout_seconds, f"docs/{page}:{line}"
+    [(line, (join,))] = stated(page, r"Here the bound is `join_timeout`, `(\d+)` seconds unless `--rdzv_conf`")
+    assert int(join) == RendezvousTimeout().join.total_seconds(), f"docs/{page}:{line}"
+
+
+def test_monitored_barrier_stops_at_the_first_missing_rank_by_default():
+    stated("workshop/session-c/demo.md", r"Without `wait_all_ranks=True` it would stop at the first, rank 1")
+    assert inspect.signature(dist.monitored_barrier).parameters["wait_all_ranks"].default is False
+    doc = re.sub(r"\s+", " ", inspect.getdoc(dist.monitored_barrier))
+    assert "will throw on the first failed rank it encounters in order to fail fast" in doc
+
+
+def test_deepspeed_optimizer_choice_shm_and_buffer_factor():
+    # deepspeed.md: torch_adam picks torch.optim.AdamW; the launcher's LOCAL_SIZE equal to the world
+    # size switches on the CPU accelerator's shared-memory collectives; the estimators' CPU margin.
+    page = "workshop/session-c/deepspeed.md"
+    stated(page, r"`torch_adam: true` picks `torch\.optim\.AdamW`")
+    engine = _source_of("deepspeed", "runtime/engine.py")
+    assert "return (torch.optim.AdamW if adam_w_mode else torch.optim.Adam)" in engine
+    stated(page, r"it sets `LOCAL_SIZE` in each process's environment, and\s+when `LOCAL_SIZE` equals the world"
+                 r" size DeepSpeed's CPU accelerator switches on its shared-memory\s+collectives")
+    assert 'current_env["LOCAL_SIZE"] = str(num_local_procs)' in _source_of("deepspeed", "launcher/launch.py")
+    assert "if (size >= 1 && size == ls) { all_ranks_local_p = true; }" in _source_of(
+        "deepspeed", "ops/csrc/cpu/comm/shm_interface.cpp")
+    [(line, (factor,))] = stated(page, r"The `additional_buffer_factor` of ([\d.]+) in the CPU column")
+    from deepspeed.runtime.zero import stage3, stage_1_and_2
+    for fn in (stage_1_and_2.estimate_zero2_model_states_mem_needs,
+               stage_1_and_2.estimate_zero2_model_states_mem_needs_all_cold,
+               stage3.estimate_zero3_model_states_mem_needs,
+               stage3.estimate_zero3_model_states_mem_needs_all_cold):
+        assert inspect.signature(fn).parameters["additional_buffer_factor"].default == float(factor), \
+            f"docs/{page}:{line}: {fn.__name__}"
+
+
+def test_torch_default_inits_of_embedding_and_linear():
+    # phase-1.md: nn.Embedding starts at N(0, 1), 50 times GPT-2's 0.02; nn.Linear is uniform,
+    # scaled by its input size.
+    page = "exercises/phase-1.md"
+    [(line, (times, std))] = stated(page, r"`nn\.Embedding` starts at \\\(\\mathcal\{N\}\(0, 1\)\\\), (\w+) times"
+                                          r" larger than the ([\d.]+) GPT-2")
+    assert {"fifty": 50}[times] * float(std) == 1.0, f"docs/{page}:{line}"
+    assert "init.normal_(self.weight)" in inspect.getsource(torch.nn.Embedding.reset_parameters)
+    torch.manual_seed(0)
+    assert abs(torch.nn.Embedding(1000, 100).weight.std().item() - 1.0) < 0.01
+    stated(page, r"`nn\.Linear` uses a uniform distribution scaled by its input size")
+    torch.manual_seed(0)
+    w = torch.nn.Linear(400, 300).weight
+    assert w.abs().max().item() <= 1 / math.sqrt(400) and w.abs().max().item() > 0.99 / math.sqrt(400)
+
+
+def test_adamw_refuses_a_parameter_in_two_groups():
+    # phase-2.md: a tied weight listed in both groups is refused; twice in one group, a warning.
+    import warnings
+    stated("exercises/phase-2.md", r"listed in both groups, AdamW refuses it \(and within\s+one group,"
+                                   r" PyTorch warns about the duplicate\)")
+    p = torch.nn.Parameter(torch.ones(2, 2))
+    try:
+        torch.optim.AdamW([{"params": [p]}, {"params": [p]}])
+    except ValueError as e:
+        assert "some parameters appear in more than one parameter group" in str(e)
+    else:
+        raise AssertionError("AdamW accepted one parameter in two groups")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.optim.AdamW([p, p])
+    assert any("duplicate parameters" in str(w.message) for w in caught), [str(w.message) for w in caught]
+
+
+def test_clip_grad_norm_returns_the_norm_before_clipping():
+    stated("exercises/phase-2.md", r"`clip_grad_norm_` returns the norm \*before\* clipping")
+    p = torch.nn.Parameter(torch.zeros(2))
+    p.grad = torch.tensor([3.0, 4.0])
+    assert torch.nn.utils.clip_grad_norm_([p], max_norm=1.0).item() == 5.0
+    assert torch.allclose(p.grad.norm(), torch.tensor(1.0))
+
+
+def test_fsdp2_policy_defaults_and_gathered_checkpoints():
+    # phase-3.md: reduce_dtype's default; get_state_dict with full_state_dict and cpu_offload
+    # leaves the result on rank 0 only; DTensors load with weights_only only once
+    # torch.distributed.tensor is imported; a root unit's reshard_after_forward default.
+    page = "exercises/phase-3.md"
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    [(line, (value,))] = stated(page, r"`reduce_dtype`: .* Its\s+default is `(\w+)`, and then the reduction runs in"
+                                      r" `param_dtype`")
+    assert str(MixedPrecisionPolicy().reduce_dtype) == value, f"docs/{page}:{line}"
+    stated(page, r"with `cpu_offload=True` only rank 0 keeps the result\s+\(on the CPU\), and the other ranks get"
+                 r" empty dicts")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    doc = re.sub(r"\s+", " ", inspect.getdoc(StateDictOptions))
+    assert ("if ``full_state_dict`` is also true, then only the rank0 will get the state_dict and all other ranks"
+            " will get empty state_dict") in doc
+    stated(page, r"refuses them in a process that has not imported\s+`torch\.distributed\.tensor` \(whose import"
+                 r" registers DTensor with `torch\.serialization\.add_safe_globals`\)")
+    from torch.distributed.tensor import DTensor
+    assert DTensor in torch.serialization.get_safe_globals()
+    assert "must be imported to load DTensors" in _source_of("torch", "_weights_only_unpickler.py")
+    stated(page, r"which is what FSDP2's default, `None`, picks for a\s+root")
+    assert inspect.signature(fully_shard).parameters["reshard_after_forward"].default is None
+    doc = re.sub(r"\s+", " ", inspect.getdoc(fully_shard))
+    assert "If ``None``, it is set to ``True`` for non-root modules and ``False`` for root modules." in doc
+
+
+def test_new_group_does_not_inherit_the_world_timeout():
+    # phase-4.md, exercise 26: a group created without timeout= gets the backend's default.
+    stated("exercises/phase-4.md", r"a group does not inherit the world's timeout")
+    from torch.distributed import distributed_c10d
+    assert inspect.signature(dist.new_group).parameters["timeout"].default is None
+    src = inspect.getsource(distributed_c10d._new_group_with_tag)
+    assert "if timeout is None:\n        timeout = _get_default_timeout(backend)" in src
+
+
+def test_fp16_smallest_number_and_what_rounds_to_zero():
+    # Session B: fp16's smallest normal number is about 6e-5; its smallest number is 2^-24, and
+    # values below half of that round to zero.
+    page = "workshop/session-b/slides.md"
+    [(line, (normal, power))] = stated(
+        page, r"fp16's smallest normal number is \\\((\d) \\times 10\^\{-5\}\\\)\. Below it precision drops bit by"
+              r" bit, down\s+to its smallest number, \\\(2\^\{-(\d+)\}")
+    fp16 = torch.float16
+    assert round(torch.finfo(fp16).smallest_normal * 1e5) == int(normal), f"docs/{page}:{line}"
+    smallest = 2.0 ** -int(power)
+    assert torch.tensor(smallest).to(fp16).item() == smallest, f"docs/{page}:{line}"
+    assert torch.tensor(smallest / 2 * 1.01).to(fp16).item() == smallest  # just above half: kept
+    assert torch.tensor(smallest / 2).to(fp16).item() == 0.0  # half (a tie, to even): zero
+    assert torch.tensor(smallest / 2 * 0.99).to(fp16).item() == 0.0
