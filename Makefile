@@ -7,6 +7,7 @@
 #   make test-gpu   the CUDA/NCCL-marked tests; fails when no GPU is present
 #   make soak       Session C's two-node c10d demo 20 times: every agent must exit 0 (outside make test)
 #   make bench      the benchmarks, written to bench.json
+#   make test-torchtitan  TorchTitan on the CPU in its own .venv-torchtitan (make torchtitan-env)
 #
 # On a Linux machine without a GPU, `make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
 # installs the CPU-only PyTorch wheel instead of PyPI's CUDA build.
@@ -22,7 +23,7 @@ STAMP  := $(VENV)/.installed-$(DEPS_DIGEST)
 TORCH_INDEX_URL ?=
 HOST   ?= 127.0.0.1:8000
 
-.PHONY: serve build test test-gpu soak bench clean
+.PHONY: serve build test test-gpu soak bench clean torchtitan-env test-torchtitan
 
 export NO_MKDOCS_2_WARNING := 1
 
@@ -72,6 +73,31 @@ bench: $(STAMP)
 	# Native kernels: a benchmark measures what the machine can do (snippets/__init__.py pins them
 	# to AVX2 elsewhere, so printed numbers match on every x86-64 machine).
 	COURSE_NATIVE_KERNELS=1 $(PY) -m snippets.bench --out bench.json
+
+# TorchTitan on the CPU (docs/course/week-2/torchtitan.md): the optional extra `torchtitan` in its
+# own environment, never in .venv (about 1.5 GB, half of it torch). torch first, at the pin; then
+# the extra's pins read from pyproject.toml, with constraints.txt so nothing replaces torch.
+TT_VENV  := .venv-torchtitan
+TT_PY    := $(TT_VENV)/bin/python
+TT_STAMP := $(TT_VENV)/.installed-$(DEPS_DIGEST)
+
+$(TT_STAMP):
+	test -x $(TT_PY) || $(PYTHON) -m venv $(TT_VENV)
+	$(TT_PY) -m pip install --quiet --upgrade pip
+	$(TT_PY) -m pip install --quiet torch==2.13.0 $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL))
+	$(TT_PY) -m pip install --quiet -c constraints.txt $$($(TT_PY) -c "import tomllib; \
+		print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['torchtitan']))")
+	rm -f $(TT_VENV)/.installed*
+	touch $(TT_STAMP)
+
+torchtitan-env: $(TT_STAMP)
+
+# The pages' TorchTitan runs (blocks marked torchtitan in docs/), each a five-step training run
+# under torchrun, in page order, and tests/torchtitan/ (the launcher's version check, the assets).
+# Outside `make test`, which skips the blocks with their reason and does not collect
+# tests/torchtitan/; here a missing extra or a failing run fails.
+test-torchtitan: $(STAMP) $(TT_STAMP)
+	REQUIRE_TORCHTITAN=1 OMP_NUM_THREADS=1 $(PY) -m pytest -m torchtitan -p no:cacheprovider tests/torchtitan docs
 
 # Build output and caches only: runs/ and logs/ hold the learner's training runs.
 clean:

@@ -19,8 +19,10 @@ Loaded with `-p tests.codeblocks` (pyproject.toml's addopts). For each `docs/**/
 4. runs python blocks with the project's interpreter and bash/sh blocks with `bash -e -o pipefail`,
    both from the repository root, as a reader would; parses json/yaml/toml blocks.
 
-Three markers are this project's own:
+Four markers are this project's own:
 `<!--pytest.mark.cuda(reason="...")-->` runs the block only where CUDA is present (`make test-gpu`);
+`<!--pytest.mark.torchtitan(reason="...")-->` runs the block only in `make test-torchtitan`
+(REQUIRE_TORCHTITAN=1, with the extra in .venv-torchtitan; a missing extra fails there);
 `<!--pytest.mark.excerpt-->` marks a block that only includes part of a module (a method, a
 class): it is checked by importing (python) or syntax-checking (bash) the file it comes from, and by
 the tests of that module; `<!--pytest-codeblocks:expected-output(rtol=R, atol=A)-->` compares the
@@ -74,7 +76,7 @@ INCLUDE = re.compile(r"""^\s*-{1,}8<-{1,}\s+["']([^"']+)["']\s*$""")
 OUTPUT_TAIL = 6000  # characters of stdout/stderr shown for a failing block
 MARKER = re.compile(r"^(\s*)<!--[-\s]*pytest-codeblocks:(.*?)[-\s]*-->\s*$")
 MARK = re.compile(r"^\s*<!--[-\s]*pytest\.mark\.(\w+)")
-ALLOWED_MARKS = {"skip", "skipif", "cuda", "excerpt"}
+ALLOWED_MARKS = {"skip", "skipif", "cuda", "torchtitan", "excerpt"}
 TOLERANCE = re.compile(r"^expected-output\((.*)\)$")
 # A number with a decimal point or an exponent (a measured value); integers are counts and ids.
 FLOAT = re.compile(r"[-+]?(?:\d[\d,]*\.\d*|\.\d+|\d+(?=[eE]))(?:[eE][-+]?\d+)?")
@@ -507,13 +509,18 @@ def pytest_configure(config):
     )
 
 
+def mark_reason(mark, default: str) -> str:
+    return mark.kwargs.get("reason") or (mark.args[0] if mark.args else default)
+
+
 def cuda_reason(mark) -> str:
-    return mark.kwargs.get("reason") or (mark.args[0] if mark.args else "needs an NVIDIA GPU")
+    return mark_reason(mark, "needs an NVIDIA GPU")
 
 
 def pytest_collection_modifyitems(config, items):
     """`cuda`-marked tests and blocks run only where CUDA is; elsewhere they skip with the reason,
     or fail under REQUIRE_GPU=1 (`make test-gpu`), so a GPU run can never pass by skipping."""
+    skip_torchtitan_unless_required(items)
     marked = [item for item in items if item.get_closest_marker("cuda")]
     if not marked:
         return
@@ -525,7 +532,29 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(pytest.mark.skip(reason=f"needs CUDA: {cuda_reason(item.get_closest_marker('cuda'))}"))
 
 
+TORCHTITAN_PYTHON = ROOT / ".venv-torchtitan" / "bin" / "python"  # `make torchtitan-env`
+
+
+def skip_torchtitan_unless_required(items):
+    """`torchtitan`-marked blocks and tests need the optional extra in .venv-torchtitan and take
+    minutes: they run only under REQUIRE_TORCHTITAN=1 (`make test-torchtitan`), and skip with
+    their reason everywhere else, whether or not the extra is installed."""
+    if os.environ.get("REQUIRE_TORCHTITAN") == "1":
+        return
+    for item in items:
+        mark = item.get_closest_marker("torchtitan")
+        if mark is not None:
+            reason = mark_reason(mark, "runs TorchTitan")
+            item.add_marker(pytest.mark.skip(
+                reason=f"needs the torchtitan extra, run by `make test-torchtitan`: {reason}"))
+
+
 def pytest_runtest_setup(item):
+    titan = item.get_closest_marker("torchtitan")
+    if titan is not None and os.environ.get("REQUIRE_TORCHTITAN") == "1" \
+            and not os.access(TORCHTITAN_PYTHON, os.X_OK):
+        pytest.fail(f"REQUIRE_TORCHTITAN=1 but {TORCHTITAN_PYTHON} is missing: "
+                    f"run `make torchtitan-env` ({mark_reason(titan, 'runs TorchTitan')})")
     cuda = item.get_closest_marker("cuda")
     if cuda is not None and os.environ.get("REQUIRE_GPU") == "1":
         import torch

@@ -174,6 +174,41 @@ def test_missing_section_fails(tmp_path):
     assert "no-such-section" in result.stdout
 
 
+def test_torchtitan_blocks_skip_with_reason_unless_required_then_need_the_extra(tmp_path, monkeypatch):
+    """The plugin's own hooks on stand-in items, in-process (a pytest run per case would take
+    seconds): skipped with the block's reason in `make test`; under REQUIRE_TORCHTITAN=1 not
+    skipped, and failed when .venv-torchtitan's interpreter is missing."""
+    from tests import codeblocks
+
+    class Item:
+        def __init__(self, *marks):
+            self.marks = list(marks)
+
+        def get_closest_marker(self, name):
+            return next((m for m in self.marks if m.name == name), None)
+
+        def add_marker(self, mark):
+            self.marks.append(mark.mark)
+
+    titan, plain = Item(pytest.mark.torchtitan(reason="FSDP2 run").mark), Item()
+    monkeypatch.delenv("REQUIRE_TORCHTITAN", raising=False)
+    codeblocks.skip_torchtitan_unless_required([titan, plain])
+    assert [m.kwargs["reason"] for m in titan.marks if m.name == "skip"] == [
+        "needs the torchtitan extra, run by `make test-torchtitan`: FSDP2 run"]
+    assert plain.marks == []
+
+    required = Item(pytest.mark.torchtitan(reason="FSDP2 run").mark)
+    monkeypatch.setenv("REQUIRE_TORCHTITAN", "1")
+    codeblocks.skip_torchtitan_unless_required([required])
+    assert [m.name for m in required.marks] == ["torchtitan"]  # runs: a failing block fails
+    monkeypatch.setattr(codeblocks, "TORCHTITAN_PYTHON", tmp_path / "no-venv" / "python")
+    with pytest.raises(pytest.fail.Exception, match="REQUIRE_TORCHTITAN=1 but .* is missing: run "
+                       r"`make torchtitan-env` \(FSDP2 run\)"):
+        codeblocks.pytest_runtest_setup(required)
+    monkeypatch.setattr(codeblocks, "TORCHTITAN_PYTHON", sys.executable)
+    codeblocks.pytest_runtest_setup(required)  # the extra is there: the block runs
+
+
 @pytest.mark.parametrize("require", ["0", "1"])
 def test_cuda_blocks_skip_with_reason_or_fail_when_required(tmp_path, require, monkeypatch):
     import torch
