@@ -49,7 +49,8 @@ build: $(STAMP)
 # Four pytest workers on 2 cores: many tests wait on process start-up and rendezvous rather than
 # compute, so extra workers keep both cores busy (measured on fresh clones of this machine: three
 # workers 770 s for 1,044 tests, four 727 s for 1,220, five 774 s for 1,262, at the same CPU per
-# test). Each worker, and every process it starts, uses one intra-op thread
+# test; and at one commit with 1,393 tests, two workers 715 s, three 702 s, four 709 s: the same
+# within the 20-30 s that repeated runs differ by, since the suite is CPU-bound). Each worker, and every process it starts, uses one intra-op thread
 # (OMP_NUM_THREADS=1): several processes with two spinning OpenMP threads each on 2 cores slow
 # everything down. The pages' printed numbers do not depend on the thread count (the
 # suite checks them with this setting). --dist loadfile keeps each file (a page's blocks build on
