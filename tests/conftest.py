@@ -61,6 +61,16 @@ def one_thread():
 
 
 
+def pytest_configure(config):
+    """With SUITE_PROC_LOG=file, every Python process started from here on (the workers, the
+    blocks, their launchers and ranks) loads tests/proclog/sitecustomize.py and logs itself at
+    exit; tests/proc_report.py sums the file."""
+    if os.environ.get("SUITE_PROC_LOG") and not hasattr(config, "workerinput"):
+        hook = str(ROOT / "tests" / "proclog")
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            p for p in (hook, os.environ.get("PYTHONPATH")) if p)
+
+
 def pytest_collection_modifyitems(items):
     """Longest files first, so the last minutes are not one long file on one worker
     (tests/schedule.py; `make test` passes --no-loadscope-reorder to keep this order)."""
