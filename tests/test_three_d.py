@@ -8,9 +8,10 @@ import torch
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config
+from snippets.planner import cost_model as cm
 from snippets.scratch.pipeline import single_process
-from snippets.scratch.three_d import (BATCH, SEQ, STEPS, Mesh, build_groups, bytes_per_step,
-                                      compare, demo_worker, tolerance)
+from snippets.scratch.three_d import (BATCH, MICRO_BATCHES, SEQ, STEPS, Mesh, build_groups,
+                                      bytes_per_step, compare, demo_worker, tolerance)
 
 MESH = Mesh(dp=2, pp=2, tp=2)
 CONFIG = get_config("tiny", num_hidden_layers=MESH.pp)
@@ -72,6 +73,42 @@ def test_bytes_each_group_moves_match_the_formula(run):
     for rank, result in enumerate(ranks):
         p = MESH.coords(rank)["pp"]
         assert result["dp"]["sent"] == bytes_per_step(CONFIG, MESH, BATCH, SEQ, p), rank
+
+
+# --8<-- [start:planner]
+def test_the_planner_prices_what_the_3d_run_sends(run):
+    """The planner's messages_per_rank, the numbers plan_training turns into time, against the
+    bytes each rank counted in one step. Both count payloads (what a collective is handed, not
+    the 2(N-1)/N of it a ring puts on the wire). Where the planner models Megatron-LM and this
+    code differs, the difference is derived above the assertion and added exactly."""
+    plan = dict(dp=MESH.dp, tp=MESH.tp, pp=MESH.pp, zero_stage=0, precision="fp32",
+                micro_batch_size=BATCH // MESH.dp // MICRO_BATCHES, micro_batches=MICRO_BATCHES,
+                seq_len=SEQ)
+    planner = cm.messages_per_rank(dict(cm.MODELS["tiny"], num_hidden_layers=MESH.pp), plan)
+    h, v, tp = CONFIG.hidden_size, CONFIG.vocab_size, MESH.tp
+    layers = CONFIG.num_hidden_layers // MESH.pp
+    for rank, result in enumerate(run[0]):
+        sent, p = result["dp"]["sent"], MESH.coords(rank)["pp"]
+        # TP: 4 all-reduces of the replica's b x T x h activations per block, in both. Exact:
+        # neither has a message outside the blocks (this code replicates the embedding).
+        assert sent["tp"] == planner["tp"]
+        # PP: the planner prices 2 messages per micro-batch (the activation crossing the stage
+        # boundary forward, its gradient backward), each TP rank moving 1/tp of it (Megatron-
+        # LM's scatter/gather); here a rank sends 1 of the 2, the whole activation, from every
+        # TP rank: tp/2 times the planner's. Plus the tied embedding's gradient between first
+        # and last stage (V h fp32), which the planner leaves out.
+        assert sent["pp"] == planner["pp"] * tp / 2 + v * h * 4
+        # Parameters: the planner divides all a stage holds by tp, the embedding (a vocabulary-
+        # parallel one) and the norms (2h a block) too; this code replicates both on every TP
+        # rank: (V h + 2h layers)(1 - 1/tp) more. The planner prices the first stage, as the
+        # one holding the embedding; with tied weights the last stage holds a copy of it as
+        # the head, and the final norm: h more than the first.
+        held = sum(t.numel() for t in result["dp"]["state"].values())  # buffers: not persistent
+        assert held == (planner["parameters"] + (v * h + 2 * h * layers) * (1 - 1 / tp)
+                        + h * (p == MESH.pp - 1))
+        # DP: one fp32 gradient per parameter, all-reduced once a step (ZeRO-0), in both.
+        assert sent["dp"] == 4 * held and planner["dp"] == 4 * planner["parameters"]
+# --8<-- [end:planner]
 
 
 def test_a_mesh_that_does_not_fill_the_world_is_a_clear_error(run):

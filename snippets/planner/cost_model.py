@@ -494,6 +494,39 @@ def validate(model, plan, cluster):
                            f" tensor parallelism needs the fast links inside one node")
 
 
+def messages_per_rank(model, plan):
+    """The messages plan_training prices for the busiest rank (the first pipeline stage), in
+    payload bytes (what a collective is handed): per micro-batch, tp_count TP messages of
+    tp_message bytes and pp_count PP messages of pp_message bytes; per step (under ZeRO-0 and
+    1; 2 and 3 send them more often), the gradients dp_dense and dp_experts; the parameters
+    the rank holds; and each group's payload per step: tp, pp and dp.
+    TP: 2 all-reduces of the rank's b x s/cp x h activations per block forward and 2 backward
+    (with SP, a reduce-scatter plus an all-gather each: the same bytes). PP: a micro-batch
+    crosses each of the rank's v chunk boundaries twice (activation forward, gradient
+    backward), each TP rank moving its 1/tp share (Megatron-LM scatters the activation over the
+    TP group and gathers it again on the other side). tests/test_three_d.py checks them
+    against the bytes the from-scratch 3-D run counts."""
+    element = PRECISIONS[plan["precision"]]["activations"]
+    activation = (plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
+                  * model["hidden_size"] * element)
+    pp_message = activation / plan["tp"]
+    tp_count, pp_count = 0, 0
+    if plan["tp"] > 1:
+        tp_count = 4 * (model["num_hidden_layers"] // plan["pp"])
+    if plan["pp"] > 1:
+        pp_count = 2 * option(plan, "virtual_stages", 1)
+    state = model_state_bytes(model, plan)
+    gradient = PRECISIONS[plan["precision"]]["gradients"]
+    dense = state["dense_parameters"] * gradient
+    experts = state["expert_parameters"] * gradient
+    m = plan["micro_batches"]
+    return {"tp_message": activation, "tp_count": tp_count,
+            "pp_message": pp_message, "pp_count": pp_count,
+            "dp_dense": dense, "dp_experts": experts, "parameters": state["parameters"],
+            "tp": m * tp_count * activation, "pp": m * pp_count * pp_message,
+            "dp": dense + experts}
+
+
 def plan_training(model, plan, cluster):
     """Memory per GPU, step time, throughput, bubble and MFU for one training configuration.
 
@@ -529,14 +562,14 @@ def plan_training(model, plan, cluster):
     # forward and 2 in backward, inside a node, on the critical path. Sequence parallelism
     # turns each all-reduce into a reduce-scatter plus an all-gather: the same bytes and time.
     element = PRECISIONS[plan["precision"]]["activations"]
-    activation_message = tokens_per_micro_batch / cp * model["hidden_size"] * element
+    messages = messages_per_rank(model, plan)
     layers_per_stage = model["num_hidden_layers"] // plan["pp"]
     intra = link(cluster, False)
     if option(plan, "sp", False):
-        tp_per_layer = 4 * 2 * ring_all_gather_time(activation_message, plan["tp"], intra)
+        tp_message_time = 2 * ring_all_gather_time(messages["tp_message"], plan["tp"], intra)
     else:
-        tp_per_layer = 4 * ring_all_reduce_time(activation_message, plan["tp"], intra)
-    tp_per_micro_batch = layers_per_stage * tp_per_layer
+        tp_message_time = ring_all_reduce_time(messages["tp_message"], plan["tp"], intra)
+    tp_per_micro_batch = messages["tp_count"] * tp_message_time
 
     # Context parallelism (ring attention): per layer, each rank passes its K and V chunk
     # (s/cp tokens x the kv width / tp) around the ring, cp - 1 steps forward, and K, V plus
@@ -574,7 +607,8 @@ def plan_training(model, plan, cluster):
     pp_link = link(cluster, plan["tp"] * cp * ep * plan["pp"] > cluster["gpus_per_node"])
     pp_per_micro_batch = 0
     if plan["pp"] > 1:
-        pp_per_micro_batch = 2 * v * send_recv_time(activation_message / plan["tp"], pp_link)
+        pp_per_micro_batch = messages["pp_count"] * send_recv_time(messages["pp_message"],
+                                                                   pp_link)
     slot = (compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch
             + ep_per_micro_batch + pp_per_micro_batch)
     # The bubble: (p - 1)/v slots of idling against m of work, (p - 1)/(v m) of the ideal time
@@ -595,9 +629,7 @@ def plan_training(model, plan, cluster):
     dp_link = link(cluster, gpus > cluster["gpus_per_node"])
     # With experts, the dense gradients sync over dp x cp ranks and each expert's over the
     # dp x cp / ep ranks that hold it, one after the other.
-    gradient = PRECISIONS[plan["precision"]]["gradients"]
-    dense_bytes = state["dense_parameters"] * gradient
-    expert_bytes = state["expert_parameters"] * gradient
+    dense_bytes, expert_bytes = messages["dp_dense"], messages["dp_experts"]
     gather = ring_all_gather_time(dense_bytes, dp_group, dp_link)  # = one reduce-scatter
     if expert_bytes > 0:
         gather = gather + ring_all_gather_time(expert_bytes, dp_group / ep, dp_link)

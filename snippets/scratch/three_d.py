@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from snippets.dist import DEFAULT_TIMEOUT_S, spawn
 from snippets.models.gpt import GPT, ConfigError, GPTConfig, get_config
+from snippets.planner.cost_model import MODELS, messages_per_rank
 from snippets.scratch.ddp import make_buckets
 from snippets.scratch.pipeline import (one_f_one_b_schedule, pipeline_train_step,
                                        single_process, split_into_stages)
@@ -186,12 +187,10 @@ def pp_bytes_sent(trace, micro_batch: int, seq_len: int, stage, mesh: Mesh, p: i
     an activation after each forward (all but the last stage), a gradient after each backward
     (all but the first), and the tied embedding's gradient between first and last stage."""
     message = micro_batch * seq_len * stage.hidden_size * 4
-    sends = sum((kind == "F" and p < mesh.pp - 1) or (kind == "B" and p > 0)
-                for kind, *_ in trace.events)
+    sends = sum((k == "F" and p < mesh.pp - 1) or (k == "B" and p > 0) for k, *_ in trace.events)
     if not (stage.tied_embeddings and mesh.pp > 1 and p in (0, mesh.pp - 1)):
         return sends * message
-    weight = stage.embed_tokens.weight if p == 0 else stage.lm_head.weight
-    return sends * message + weight.numel() * 4
+    return sends * message + (stage.embed_tokens if p == 0 else stage.lm_head).weight.numel() * 4
 
 
 def bytes_per_step(config: GPTConfig, mesh: Mesh, batch_size: int, seq_len: int, p: int) -> dict:
@@ -203,10 +202,8 @@ def bytes_per_step(config: GPTConfig, mesh: Mesh, batch_size: int, seq_len: int,
     first, last = p == 0, p == mesh.pp - 1
     activations = local * seq_len * h * 4 * ((not last) + (not first))
     tied = config.tie_word_embeddings and mesh.pp > 1 and (first or last)
-    # DP: every parameter this rank holds. Per block, attention 4h^2 and MLP 3hi are split
-    # over TP, the two norms (2h) are not; embedding on the first stage, norm + head on the last.
-    params = layers * ((4 * h * h + 3 * h * i) // mesh.tp + 2 * h)
-    params += v * h * first + (h + v * h) * last
+    # DP: all the rank holds. TP splits attention and MLP (4h^2 + 3hi), not norms, embedding, head
+    params = layers * (h * (4 * h + 3 * i) // mesh.tp + 2 * h) + v * h * first + (h + v * h) * last
     return {"tp": tp["forward_bytes"] + tp["backward_bytes"],
             "pp": activations + (v * h * 4 if tied else 0), "dp": params * 4}
 # --8<-- [end:bytes]
@@ -286,11 +283,14 @@ def main() -> None:
         print(f"step {step}: loss, |diff| < bound: {diff < tolerance(config, BATCH, SEQ, loss)}")
     print(f"weights after {STEPS} steps, max |diff| < bound ({bound:.0e}): {worst < bound}")
     print("bytes per step, per rank   TP all-reduce   PP send   DP all-reduce")
-    for p in range(mesh.pp):
-        sent = ranks[mesh.rank(dp=0, pp=p, tp=0)]["dp"]["sent"]
-        theory = bytes_per_step(config, mesh, BATCH, SEQ, p)
-        for what, row in (("counted", sent), ("formula", theory)):
-            print(f"stage {p}, {what}:       {row['tp']:>13,} {row['pp']:>9,} {row['dp']:>15,}")
+    plan = dict(dp=mesh.dp, tp=mesh.tp, pp=mesh.pp, zero_stage=0, precision="fp32", seq_len=SEQ,
+                micro_batch_size=BATCH // mesh.dp // MICRO_BATCHES, micro_batches=MICRO_BATCHES)
+    for p in range(mesh.pp):  # the planner prices every stage as its busiest, the first
+        rows = {"counted": ranks[mesh.rank(dp=0, pp=p, tp=0)]["dp"]["sent"],
+                "formula": bytes_per_step(config, mesh, BATCH, SEQ, p),
+                "planner": messages_per_rank(dict(MODELS["tiny"], num_hidden_layers=mesh.pp), plan)}
+        for what, row in rows.items():
+            print(f"stage {p}, {what}:{row['tp']:>20,.0f} {row['pp']:>9,.0f} {row['dp']:>15,.0f}")
     worst, _ = compare([r["stage"] for r in ranks], mesh, reference, ref_losses)
     print(f"gradients averaged over all DP x TP ranks of a stage: max |diff| {worst:.0e}")
 # --8<-- [end:demo]
