@@ -25,5 +25,20 @@ def _write(path: str, started: float) -> None:
                   f"{test}\t{command}\n")
 
 
+def _load_the_one_this_shadows() -> None:
+    """Being first on PYTHONPATH hides the interpreter's own sitecustomize (Debian and Ubuntu
+    ship one): run it too, so logging changes nothing else."""
+    import importlib.machinery
+    import importlib.util
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    rest = [p for p in sys.path if os.path.abspath(p or ".") != here]
+    spec = importlib.machinery.PathFinder.find_spec("sitecustomize", rest)
+    if spec is not None:
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+
+
 if os.environ.get("SUITE_PROC_LOG"):
     atexit.register(_write, os.environ["SUITE_PROC_LOG"], time.time())
+_load_the_one_this_shadows()
