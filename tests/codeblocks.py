@@ -428,11 +428,12 @@ class CodeBlock(pytest.Item):
             return self.parse_data(code)
 
         if RUN_LANGS[self.lang] == "python":
-            script = Path(tempfile.mkdtemp(prefix="codeblock-")) / (
-                re.sub(r"\W", "_", self.where) + ".py"
-            )
-            script.write_text(code)
-            out = run_process([sys.executable, str(script)], f"{self.where} (python)", code)
+            # The script is named after the block (tracebacks then say where it came from) and
+            # removed with its directory afterwards: thousands of runs must not litter /tmp.
+            with tempfile.TemporaryDirectory(prefix="codeblock-") as tmp:
+                script = Path(tmp) / (re.sub(r"\W", "_", self.where) + ".py")
+                script.write_text(code)
+                out = run_process([sys.executable, str(script)], f"{self.where} (python)", code)
         else:
             out = run_process(["bash", "-e", "-o", "pipefail", "-c", code], f"{self.where} (bash)",
                               code)

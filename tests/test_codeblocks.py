@@ -1,6 +1,7 @@
 """The code-block runner (tests/codeblocks.py) on pages written for the purpose: it runs what it
 must, fails loudly with the block's output, and refuses blocks that are neither run nor marked."""
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -15,11 +16,13 @@ def run_pages(tmp_path, **pages) -> subprocess.CompletedProcess:
     docs.mkdir(parents=True)
     for name, text in pages.items():
         (docs / f"{name}.md").write_text(textwrap.dedent(text))
+    (tmp_path / "tmp").mkdir()  # the runner's TMPDIR, so a test can see what it leaves there
     return subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
          "--rootdir", str(ROOT),
          "--codeblocks-docs", str(docs), str(docs)],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "TMPDIR": str(tmp_path / "tmp")},
     )
 
 
@@ -59,6 +62,10 @@ def test_fence_with_attributes_runs_and_includes_expand(tmp_path):
     # which proves it ran instead of being skipped as the stock pytest-codeblocks plugin would.
     assert result.returncode == 1
     assert "NameError: name 'torch' is not defined" in result.stdout
+    # The block's script was written to a temporary directory, named after the block, and
+    # removed afterwards, failure included.
+    assert "docs_page_md_2.py" in result.stdout, result.stdout[-2000:]
+    assert not [p.name for p in (tmp_path / "tmp").iterdir() if p.name.startswith("codeblock-")]
 
 
 def test_expected_output_and_cont(tmp_path):
