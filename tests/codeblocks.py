@@ -356,7 +356,6 @@ class MarkdownPage(pytest.File):
                     "runner cannot see them. Put the include inside the page's own fence."
                 )
         parsed, tolerances = check_page(text, where)
-        check_rendered_code(text, where)
         try:
             blocks = extract_from_buffer(io.StringIO(parsed))
         except RuntimeError as e:
@@ -406,7 +405,29 @@ class MarkdownPage(pytest.File):
         for item in items:
             item.user_properties.append(("codeblock_shown", shown))
         _SHOWN.update(shown)
+        # Rendering the page with the site's extensions takes 30-300 ms, about 4 s for all pages:
+        # an item of its own runs it once, where a check during collection would run it on every
+        # pytest-xdist worker (each collects every page).
+        rendered = RenderedPage.from_parent(self, name="rendered code boxes")
+        rendered.text, rendered.where = text, where
+        yield rendered
         yield from items
+
+
+class RenderedPage(pytest.Item):
+    """The page as the site renders it shows no more code boxes than it has ``` fences."""
+    text = where = None
+
+    def runtest(self):
+        check_rendered_code(self.text, self.where)
+
+    def repr_failure(self, excinfo):
+        if isinstance(excinfo.value, BlockError):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self):
+        return self.path, None, f"rendered code boxes of {self.where}"
 
 
 class CodeBlock(pytest.Item):

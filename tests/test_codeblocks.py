@@ -237,7 +237,8 @@ def test_cuda_blocks_skip_with_reason_or_fail_when_required(tmp_path, require, m
 
 def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
     """Each page would let a block pass without running it; the runner refuses each with the fix.
-    One pytest run for all of them: a page's refusal is its own collection error."""
+    One pytest run for all of them: a page's refusal is its own collection error. An indented
+    code block is found by rendering the page, which is an item of its own, run once."""
     block = "```python\nraise SystemExit(1)\n```\n"
     pages = {
         "skipfile": "<!--pytest-codeblocks:skipfile-->\n" + block,
@@ -245,7 +246,6 @@ def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
         "xfail": "<!--pytest.mark.xfail-->\n" + block,
         "importorskip": "<!--pytest-codeblocks:importorskip(torch)-->\n" + block,
         "tilde": "~~~python\nraise SystemExit(1)\n~~~\n",
-        "indented": "Some text.\n\n    raise SystemExit(1)\n\nMore text.\n",
         "bad_tolerance": block + "\n<!--pytest-codeblocks:expected-output(rtol=abc)-->\n```text\n1\n```\n",
     }
     result = run_pages(tmp_path, **pages)
@@ -253,12 +253,13 @@ def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
     for expected in ("skipfile--> skips every block", "expect-error--> counts a failing block",
                      "pytest.mark.xfail...--> counts a failing block as a pass",
                      "importorskip(torch)--> turns a missing dependency into a skip",
-                     "tilde.md:1: a ~~~ fence", "indented.md: the site renders 1 code blocks but "
-                     "the page has 0 ``` fences", "expected-output(rtol=abc): write"):
+                     "tilde.md:1: a ~~~ fence", "expected-output(rtol=abc): write"):
         assert expected in result.stdout, (expected, result.stdout[-3000:])
     assert f"{len(pages)} errors" in result.stdout
-    # Blocks inside tabs, admonitions and list items are indented fences, not indented code.
-    nested = run_pages(tmp_path / "nested", page="""
+    # Blocks inside tabs, admonitions and list items are indented fences, not indented code;
+    # an indented block after a blank line is code the site shows and the runner never sees.
+    indented = "Some text.\n\n    raise SystemExit(1)\n\nMore text.\n"
+    nested = run_pages(tmp_path / "nested", indented=indented, page="""
         === "CPU"
 
             ```bash
@@ -277,7 +278,11 @@ def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
             echo list
             ```
         """)
-    assert nested.returncode == 0 and "3 passed" in nested.stdout, nested.stdout[-2000:]
+    assert nested.returncode == 1, nested.stdout[-2000:]
+    assert ("indented.md: the site renders 1 code blocks but the page has 0 ``` fences"
+            in nested.stdout), nested.stdout[-2000:]
+    # page.md: its three blocks and its rendering pass; indented.md: its rendering fails.
+    assert "1 failed, 4 passed" in nested.stdout, nested.stdout[-2000:]
 
 
 def test_expected_output_with_a_numeric_tolerance(tmp_path):
