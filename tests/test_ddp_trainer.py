@@ -112,6 +112,18 @@ def test_lr_schedule():
     assert make_trainer(warmup_steps=0, lr=lr).get_lr(0) == pytest.approx(lr)
 
 
+def test_session_a_schedule_is_the_same_curve():
+    """Session A's trainer writes the schedule as a LambdaLR factor, exercise 9 as get_lr: the
+    same curve twice, because the exercise must stand on its own. They must not drift apart."""
+    from snippets.training.train_tiny_transformer import warmup_cosine
+
+    lr, warmup, max_steps = 1e-3, 10, 110
+    trainer = make_trainer(lr=lr, min_lr=lr / 10, warmup_steps=warmup, max_steps=max_steps)
+    factor = warmup_cosine(warmup, max_steps, min_ratio=0.1)
+    for step in range(max_steps + 20):
+        assert lr * factor(step) == pytest.approx(trainer.get_lr(step), rel=1e-12), step
+
+
 def test_train_step_uses_the_schedule():
     trainer = make_trainer(lr=1e-3, warmup_steps=5)
     batches = trainer.micro_batches()
