@@ -66,11 +66,24 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         # After a restart, torchrun's store still holds the dead workers' addresses from the
         # previous attempt; a fresh key prefix keeps the new workers from connecting to them.
         store = dist.PrefixStore(f"restart{restart}", store)
+    # device_id binds NCCL's communicator to this process's GPU: without it, torch guesses the
+    # GPU from the global rank (and says so in a warning), wrong from the second node on.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
                             rank=env["rank"], world_size=env["world_size"],
-                            timeout=timedelta(seconds=timeout_s))
+                            timeout=timedelta(seconds=timeout_s),
+                            device_id=torch.device("cuda", env["local_rank"])
+                            if backend == "nccl" else None)
     return env
 # --8<-- [end:init-from-env]
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: NCCL moves only GPU tensors (this process's GPU,
+    which init_from_env chose from LOCAL_RANK), gloo only CPU ones. A CPU tensor under NCCL
+    fails with "No backend type associated with device type cpu"."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 # --8<-- [start:connect-store]
@@ -156,7 +169,8 @@ class StopSignal:
     def requested(self) -> bool:
         """True on every rank once any rank has received the signal (a collective: call it
         at the same point on every rank)."""
-        flag = torch.tensor([self.received is not None], dtype=torch.int32)
+        flag = torch.tensor([self.received is not None], dtype=torch.int32,
+                            device=collective_device())
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 # --8<-- [end:stop-signal]

@@ -6,9 +6,10 @@ under REQUIRE_GPU=1 (`make test-gpu`, the GPU runner), where they fail: a GPU ru
 skipping, so the GPU runner needs two GPUs.
 """
 
-import os
-
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from snippets.dist import spawn
 from snippets.scratch.collectives import ring_all_reduce
 from snippets.scratch.precision import DynamicLossScaler
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.cuda(reason="CUDA/NCCL tests for the GPU runner")
 
@@ -85,6 +87,33 @@ def test_tiny_transformer_trains_on_cuda(tmp_path):
                                 "--steps-per-epoch", "40", "--out", str(tmp_path)]))
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert losses[-1] < 0.8 * losses[0]
+
+
+def torchrun_on_every_gpu(tmp_path, script, *args) -> subprocess.CompletedProcess:
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone",
+         f"--nproc_per_node={torch.cuda.device_count()}", script, *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+def test_torchrun_scripts_keep_collective_tensors_on_the_gpu(tmp_path):
+    """Under NCCL a collective's tensors must be on the GPU ("No backend type associated with
+    device type cpu" otherwise): the model, the batches, the checksums, the SIGTERM flag. Session
+    B's and C's scripts, on every GPU of the machine (one is enough to catch a CPU tensor)."""
+    torchrun_on_every_gpu(tmp_path, "snippets/training/ddp_simulation_train.py", "--steps", "3",
+                          "--grad-norm", "--log-dir", str(tmp_path / "logs"),
+                          "--ckpt", str(tmp_path / "sim.pt"))
+    log = (tmp_path / "logs" / "rank_0" / "train.log").read_text()
+    assert "replicas in sync: True" in log and "done: 3 steps" in log, log
+    out = torchrun_on_every_gpu(tmp_path, "snippets/cluster/multi_node_train.py", "--steps", "2",
+                                "--ckpt", str(tmp_path / "multi.pt")).stdout
+    assert "step 2 | global loss" in out and (tmp_path / "multi.pt").exists(), out
+    out = torchrun_on_every_gpu(tmp_path, "snippets/scratch/collectives_playground.py",
+                                "--only", "all_reduce").stdout
+    assert out.startswith("all_reduce: Everyone ends with"), out
 
 
 def nccl_ddp(rank, world_size, variant):

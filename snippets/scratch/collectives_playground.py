@@ -83,7 +83,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", choices=[c.__name__ for c in COLLECTIVES],
                    help="run one collective instead of all five")
     args = p.parse_args(argv)
-    env = init_from_env(timeout_s=30)
+    env = init_from_env("gloo", timeout_s=30)  # CPU tensors: the same on a laptop or a GPU node
     rank, world = env["rank"], env["world_size"]
     for collective in COLLECTIVES:
         if args.only in (None, collective.__name__):

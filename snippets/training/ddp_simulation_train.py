@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, Dataset
 
 from snippets.data.dataset import load_tokens
-from snippets.dist import init_from_env, leave_process_group, run_main
+from snippets.dist import collective_device, init_from_env, leave_process_group, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import (RunExistsError, load_checkpoint, save_checkpoint,
                                           unwrap_model)
@@ -113,7 +113,7 @@ def rank_logger(log_dir: str, rank: int) -> logging.Logger:
 def parameter_checksums(model: torch.nn.Module) -> list[float]:
     """Every rank's sum of all its weights: equal on all ranks iff the replicas are in sync."""
     local = torch.tensor([sum(p.double().sum().item() for p in model.parameters())],
-                         dtype=torch.float64)
+                         dtype=torch.float64, device=collective_device())
     everyone = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(everyone, local)
     return [t.item() for t in everyone]
@@ -177,7 +177,8 @@ def main(argv=None) -> None:
     # --8<-- [end:sharding]
 
     torch.manual_seed(args.seed)  # same initial weights on every rank (DDP also broadcasts)
-    model = GPT(config)
+    device = collective_device()  # this rank's GPU under NCCL, the CPU under gloo
+    model = GPT(config).to(device)
     if not args.no_sync:
         model = DistributedDataParallel(model)  # gradients are averaged inside backward()
     local_norm = LocalGradNorm() if args.grad_norm and not args.no_sync else None
@@ -207,7 +208,7 @@ def main(argv=None) -> None:
             if step == args.fail_step and rank == args.fail_rank and restart == 0:
                 raise RuntimeError(f"simulated failure on rank {rank} at step {step}")
             start = time.perf_counter()
-            inputs, targets = shift_for_next_token(batch)
+            inputs, targets = shift_for_next_token(batch.to(device))
             _, loss = model(inputs, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()  # with DDP: returns only after every rank's gradients are averaged

@@ -212,7 +212,8 @@ class FSDPTrainer(DistributedTrainer):
         if not dist.is_initialized():
             # One process still needs a process group (of one) for the mesh; nothing is split.
             backend = "nccl" if self.device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
+                                    device_id=self.device if backend == "nccl" else None)
         strategy = self._get_sharding_strategy()
         options = {"mesh": strategy["mesh"], "mp_policy": self._get_mixed_precision_policy()}
         if self.fsdp_config.cpu_offload:
