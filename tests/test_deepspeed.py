@@ -124,3 +124,13 @@ def test_parameter_count_counts_tied_embedding_once():
     assert total == model.num_parameters()  # GPT.num_parameters() also counts unique tensors
     assert largest == max(p.numel() for p in model.parameters())
 # --8<-- [end:test-estimators]
+
+
+def test_a_path_with_a_space_is_refused_before_the_build(monkeypatch, tmp_path):
+    """A learner's checkout in "my course" broke `make`'s install step: PyTorch's extension
+    builder links with -L<torch/lib> unquoted. One line names the cause and the fix instead."""
+    from snippets.cluster.deepspeed import train_deepspeed
+
+    monkeypatch.setattr(train_deepspeed, "torch_lib_dir", lambda: tmp_path / "my course" / "lib")
+    with pytest.raises(RuntimeError, match=r"a path with a space.*VENV=\$HOME/\.venvs/course"):
+        train_deepspeed.main(["--prebuild-ops"])

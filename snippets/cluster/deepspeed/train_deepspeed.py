@@ -37,11 +37,28 @@ CONFIG_DIR = Path(__file__).resolve().parent
 JIT_CACHE = CONFIG_DIR.parents[2] / "build" / "torch_extensions"
 
 
+def torch_lib_dir() -> Path:
+    return Path(torch.__file__).parent / "lib"
+
+
+def check_build_path() -> None:
+    """PyTorch's C++ extension builder, which DeepSpeed compiles its ops with, writes the link
+    step's -L<torch/lib> unquoted: under a path with a space the linker splits it in two and
+    fails ("cannot find -lc10"), after a minute of compiling and in 40 lines of ninja output."""
+    if " " in str(torch_lib_dir()):
+        raise RuntimeError(
+            f"DeepSpeed cannot build its op: PyTorch is installed under {sys.prefix!r}, a path "
+            "with a space, which PyTorch's C++ extension builder passes to the linker unquoted. "
+            "Create the environment at a path without spaces (make test VENV=$HOME/.venvs/course)"
+            " or clone the course to one")
+
+
 def use_jit_cache() -> None:
     """Build DeepSpeed's CPU op into build/torch_extensions, always with the ninja installed
     beside this interpreter (pip's, a DeepSpeed dependency). A system ninja of another version
     does not trust the other's build log and compiles the op again, 35-100 s on 2 cores: that
     happened whenever a test ran with .venv/bin first on PATH after `make` had built without."""
+    check_build_path()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(JIT_CACHE))
     here = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != here:
