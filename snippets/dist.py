@@ -54,10 +54,19 @@ def read_launch_env() -> dict:
     return env
 
 
+def default_backend() -> str:
+    """NCCL when each process on this node can have a GPU of its own, else gloo on the CPU.
+    NCCL runs one process per GPU: with two processes on a machine with one GPU, rank 1 would
+    take cuda:1, which does not exist ("CUDA error: invalid device ordinal")."""
+    processes = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    enough_gpus = torch.cuda.is_available() and torch.cuda.device_count() >= processes
+    return "nccl" if enough_gpus else "gloo"
+
+
 def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
     """Join the process group described by the launcher's environment variables."""
     env = read_launch_env()
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    backend = backend or default_backend()
     if backend == "nccl":
         torch.cuda.set_device(env["local_rank"])  # one GPU per process, chosen by LOCAL_RANK
     store = connect_store(env, timeout_s)

@@ -435,3 +435,28 @@ def test_exercise_sections_can_be_replaced_by_a_raise():
         body = [s for s in methods[name].body
                 if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         assert len(body) == 1 and isinstance(body[0], ast.Raise), name
+
+
+@pytest.mark.parametrize("processes,gpus,expected", [("1", 1, "cuda"), ("2", 2, "cuda"),
+                                                     ("2", 1, "cpu"), ("4", 2, "cpu")])
+def test_fewer_gpus_than_processes_falls_back_to_the_cpu(monkeypatch, processes, gpus, expected):
+    """NCCL runs one process per GPU: two processes on a one-GPU machine gave rank 1 cuda:1
+    ("invalid device ordinal", seen on an H100 machine running the CPU pages). With fewer GPUs
+    than processes, 'auto' and the default backend take the CPU and gloo; 'cuda' is refused."""
+    from snippets.dist import default_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", processes)
+    monkeypatch.setenv("WORLD_SIZE", processes)
+    device, note = pick_trainer_device("auto")
+    assert device.type == expected
+    assert default_backend() == ("nccl" if expected == "cuda" else "gloo")
+    if expected == "cpu":
+        assert note == (f"note: --device auto chose cpu: {processes} processes but {gpus} GPU(s), "
+                        "and NCCL needs one GPU per process")
+        with pytest.raises(DeviceError, match=f"--device cuda: {processes} processes on this "
+                                              f"machine but {gpus} GPU"):
+            pick_trainer_device("cuda")
+    else:
+        assert note is None and pick_trainer_device("cuda")[0].type == "cuda"

@@ -89,10 +89,10 @@ def test_tiny_transformer_trains_on_cuda(tmp_path):
     assert losses[-1] < 0.8 * losses[0]
 
 
-def torchrun_on_every_gpu(tmp_path, script, *args) -> subprocess.CompletedProcess:
+def torchrun_on_every_gpu(tmp_path, script, *args, extra=0) -> subprocess.CompletedProcess:
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone",
-         f"--nproc_per_node={torch.cuda.device_count()}", script, *args],
+         f"--nproc_per_node={torch.cuda.device_count() + extra}", script, *args],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
         env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -114,6 +114,20 @@ def test_torchrun_scripts_keep_collective_tensors_on_the_gpu(tmp_path):
     out = torchrun_on_every_gpu(tmp_path, "snippets/scratch/collectives_playground.py",
                                 "--only", "all_reduce").stdout
     assert out.startswith("all_reduce: Everyone ends with"), out
+
+
+def test_more_processes_than_gpus_train_on_the_cpu(tmp_path):
+    """The CPU pages' `torchrun --nproc_per_node=2` on a machine with fewer GPUs than processes:
+    NCCL would give the extra rank a GPU that does not exist ("invalid device ordinal"); the
+    scripts take gloo and the CPU instead, and the trainer says why."""
+    torchrun_on_every_gpu(tmp_path, "snippets/training/ddp_simulation_train.py", "--steps", "2",
+                          "--log-dir", str(tmp_path / "logs"), "--ckpt", str(tmp_path / "s.pt"),
+                          extra=1)
+    assert "done: 2 steps" in (tmp_path / "logs" / "rank_0" / "train.log").read_text()
+    out = torchrun_on_every_gpu(tmp_path, "snippets/training/ddp_trainer.py", "--model_size",
+                                "tiny", "--max_steps", "2", "--out", str(tmp_path / "ddp"),
+                                extra=1).stdout
+    assert "note: --device auto chose cpu" in out and "device cpu" in out, out
 
 
 def nccl_ddp(rank, world_size, variant):

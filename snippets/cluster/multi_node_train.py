@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.cluster.ranked_checkpoint import adam_groups, save_shard
-from snippets.dist import LaunchError, StopSignal, init_from_env, leave_process_group, run_main
+from snippets.dist import (LaunchError, StopSignal, collective_device, init_from_env,
+                           leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import save_checkpoint
 
@@ -87,14 +88,13 @@ def main(argv=None) -> None:
     # From here on SIGTERM (the time limit is near, or the job was cancelled) means: finish
     # the current step, save, and stop. Set first: SLURM may signal early, even mid-start-up.
     stop = StopSignal()
-    env = init_from_env(backend="gloo" if not torch.cuda.is_available() else None,
-                        timeout_s=args.timeout)
+    env = init_from_env(timeout_s=args.timeout)  # NCCL if every local rank has a GPU, else gloo
     me = describe_process(env)
     print(f"rank {me['rank']}/{me['world_size']}: node {me['node_rank']} (host {me['host']}), "
           f"local rank {me['local_rank']} of {me['local_world_size']}, "
           f"rendezvous {me['master']}", flush=True)
     rank, world = me["rank"], me["world_size"]
-    device = torch.device(f"cuda:{me['local_rank']}" if torch.cuda.is_available() else "cpu")
+    device = collective_device()  # cuda:LOCAL_RANK under NCCL, the CPU under gloo
 
     # --8<-- [start:train]
     config = get_config(args.config)

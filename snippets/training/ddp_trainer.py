@@ -129,7 +129,8 @@ class DistributedTrainer:
         self.is_main = self.rank == 0  # only rank 0 prints and writes checkpoints
         if self.world_size > 1:
             if not dist.is_initialized():
-                init_from_env()  # gloo on CPU, nccl on GPUs; every collective has a timeout
+                # gloo on CPU, nccl on GPUs; every collective has a timeout
+                init_from_env("nccl" if self.device.type == "cuda" else "gloo")
             if self.device.type == "cuda":
                 self.device = torch.device("cuda", self.local_rank)  # one GPU per process
 
@@ -442,12 +443,22 @@ def train_config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def pick_trainer_device(preference: str) -> tuple[torch.device, str | None]:
-    """pick_device, plus one rule for several processes (WORLD_SIZE > 1) without CUDA: they talk
-    through gloo, which carries CPU and CUDA tensors only (torch 2.13.0,
-    `Backend.backend_capability` in torch/distributed/distributed_c10d.py), so 'auto' takes the
-    CPU instead of Apple's MPS and an explicit 'mps' is refused. Returns the device and a note
-    for the log when 'auto' fell back, else None."""
+    """pick_device, plus two rules for several processes. NCCL runs one process per GPU, so
+    with fewer GPUs than processes on this machine (LOCAL_WORLD_SIZE) 'auto' takes the CPU and
+    an explicit 'cuda' is refused. Without CUDA they talk through gloo, which carries CPU and
+    CUDA tensors only (torch 2.13.0, `Backend.backend_capability` in
+    torch/distributed/distributed_c10d.py), so 'auto' takes the CPU instead of Apple's MPS and
+    an explicit 'mps' is refused. Returns the device and a note for the log when 'auto' fell
+    back, else None."""
     device = pick_device(preference)
+    processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
+    if device.type == "cuda" and gpus < processes:  # NCCL: one process per GPU
+        if preference == "cuda":
+            raise DeviceError(f"--device cuda: {processes} processes on this machine but {gpus} "
+                              f"GPU(s), and each process needs its own: start {gpus} "
+                              "(--nproc_per_node) or use --device cpu")
+        return torch.device("cpu"), (f"note: --device auto chose cpu: {processes} processes "
+                                     f"but {gpus} GPU(s), and NCCL needs one GPU per process")
     if device.type != "mps" or int(os.environ.get("WORLD_SIZE", 1)) <= 1:
         return device, None
     if preference == "mps":

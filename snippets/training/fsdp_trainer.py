@@ -45,7 +45,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from snippets.data.corpus import DataError
 from snippets.dist import leave_process_group
-from snippets.machine import DeviceError, pick_device
+from snippets.machine import DeviceError
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
                                           CorruptCheckpointError, capture_rng_state,
@@ -54,8 +54,8 @@ from snippets.training.checkpoint import fsync_dir
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
 from snippets.training.ddp_trainer import (DistributedTrainer, TrainConfig, build_parser,
-                                          check_args, resume_or_start, save_step, train,
-                                          train_config_from_args)
+                                          check_args, pick_trainer_device, resume_or_start,
+                                          save_step, train, train_config_from_args)
 from snippets.training.flags import int_at_least
 
 # --8<-- [start:fsdp-config]
@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
     try:
-        device = pick_device(args.device)
+        device, device_note = pick_trainer_device(args.device)
         train_config = train_config_from_args(args)
         fsdp_config = FSDPConfig(args.sharding_strategy, args.mixed_precision, args.cpu_offload,
                                  args.shard_group_size)
@@ -398,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
         if trainer.is_main:
             manager.commit(path)
 
+    if device_note:
+        trainer.log(device_note)
     weight = trainer.model.embed_tokens.weight  # a DTensor now: this rank's piece + layout
     trainer.log(f"{fsdp_config.sharding_strategy} on mesh {tuple(weight.device_mesh.shape)} "
                 f"{weight.device_mesh.mesh_dim_names} | {fsdp_config.mixed_precision} compute | "
