@@ -83,16 +83,16 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
                             device_id=torch.device("cuda", env["local_rank"])
                             if backend == "nccl" else None)
     return env
-# --8<-- [end:init-from-env]
 
 
 def collective_device() -> torch.device:
     """Where a collective's tensors must live: NCCL moves only GPU tensors (this process's GPU,
-    which init_from_env chose from LOCAL_RANK), gloo only CPU ones. A CPU tensor under NCCL
-    fails with "No backend type associated with device type cpu"."""
+    which init_from_env chose from LOCAL_RANK; a CPU tensor fails with "No backend type
+    associated with device type cpu"); under gloo the course keeps them on the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+# --8<-- [end:init-from-env]
 
 
 # --8<-- [start:connect-store]

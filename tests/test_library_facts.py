@@ -12,10 +12,12 @@ import inspect
 import math
 import os
 import re
+import tomllib
 
 import torch
 import torch.distributed as dist
 
+from tests.conftest import ROOT
 from tests.test_facts import stated
 
 SLURM = "workshop/session-c/slurm.md"
@@ -693,3 +695,44 @@ def test_fp16_smallest_number_and_what_rounds_to_zero():
     assert torch.tensor(smallest / 2 * 1.01).to(fp16).item() == smallest  # just above half: kept
     assert torch.tensor(smallest / 2).to(fp16).item() == 0.0  # half (a tie, to even): zero
     assert torch.tensor(smallest / 2 * 0.99).to(fp16).item() == 0.0
+
+
+# ------------------------------------------------- the Python that the pinned packages need
+
+def pinned_packages() -> dict[str, str]:
+    """The packages `make` installs, name -> pinned version: the dependencies and the site, test
+    and wandb extras."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    pins = project["dependencies"] + extras["site"] + extras["test"] + extras["wandb"]
+    return dict(pin.split("==") for pin in pins)
+
+
+def test_the_stated_python_is_the_oldest_every_pin_installs_on():
+    """README, the home page and pyproject's requires-python name the oldest Python on which
+    every pinned package installs, from each one's Requires-Python. They said 3.10 while numpy
+    2.4.6 needs 3.11, and pymdown-extensions 13.1 needed 3.11.5: `make` failed on Debian 12's
+    Python 3.11.2."""
+    from importlib import metadata
+
+    from packaging.specifiers import SpecifierSet
+
+    pins = pinned_packages()
+    installed = {name: metadata.version(name).split("+")[0] for name in pins}  # 2.13.0+cpu
+    assert installed == pins  # the metadata read below is the pinned versions'
+    needs = {name: SpecifierSet(metadata.metadata(name).get("Requires-Python") or "")
+             for name in pins}
+    candidates = [f"3.{minor}.{patch}" for minor in range(8, 20) for patch in range(30)]
+    oldest = next(v for v in candidates if all(spec.contains(v) for spec in needs.values()))
+    minor = oldest.rsplit(".", 1)[0]
+    patch_needed = {name: str(spec) for name, spec in needs.items()
+                    if not spec.contains(minor + ".0")}
+    assert oldest == minor + ".0", (
+        f"{patch_needed} need Python {oldest}, a patch release that Linux distributions may not "
+        f"ship (Debian 12 has 3.11.2): pin a version that installs on {minor}.0")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == f">={minor}", (project["requires-python"], minor)
+    readme = (ROOT / "README.md").read_text()
+    assert re.findall(r"You need Python (3\.\d+)\+", readme) == [minor]
+    assert [groups for _, groups in stated("index.md", r"You need Python (3\.\d+) or newer")] == [
+        (minor,)]
