@@ -7,6 +7,7 @@ that skip into a failure, so CI cannot pass without running them.
 """
 
 import os
+import pwd
 import re
 import shutil
 import signal
@@ -20,7 +21,8 @@ from snippets.training.checkpoint import load_checkpoint
 from tests.conftest import ROOT
 
 SCRIPT = ROOT / "snippets" / "cluster" / "local_slurm.sh"
-STATE = Path(os.environ.get("LOCAL_SLURM_DIR", "/tmp/course-slurm"))
+USER = pwd.getpwuid(os.getuid()).pw_name  # what `id -un` prints in local_slurm.sh
+STATE = Path(os.environ.get("LOCAL_SLURM_DIR", f"/tmp/course-slurm-{USER}"))
 FINISHED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
 
 

@@ -12,14 +12,15 @@
 # listening on its own port (17001, 17002), both with NodeHostname=localhost. The names node1 and
 # node2 exist only inside SLURM: they do not resolve to an address, so a job that needs a host to
 # connect to (torchrun's MASTER_ADDR) uses 127.0.0.1. All state, logs and the munge key live in
-# $LOCAL_SLURM_DIR (default /tmp/course-slurm); nothing is written to /etc.
+# $LOCAL_SLURM_DIR (default /tmp/course-slurm-USER, one per user: `start` clears its own job state
+# there, and must not meet another user's); nothing is written to /etc.
 #
 # Exit status of `start`: 0 running, 3 SLURM is not installed and cannot be installed here,
 # 1 anything else (the daemons' logs are printed).
 set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin  # where Debian puts slurmctld, slurmd and munged
 
-STATE=${LOCAL_SLURM_DIR:-/tmp/course-slurm}
+STATE=${LOCAL_SLURM_DIR:-/tmp/course-slurm-$(id -un)}
 CONF=$STATE/slurm.conf
 MUNGE_SOCKET=$STATE/munge/munge.socket
 CTLD_PORT=${LOCAL_SLURM_CTLD_PORT:-16817}
