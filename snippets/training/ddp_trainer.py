@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.dist import init_from_env, run_main
+from snippets.dist import default_backend, init_from_env, run_main
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
@@ -451,8 +451,8 @@ def pick_trainer_device(preference: str) -> tuple[torch.device, str | None]:
     an explicit 'mps' is refused. Returns the device and a note for the log when 'auto' fell
     back, else None."""
     device = pick_device(preference)
-    processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
-    if device.type == "cuda" and gpus < processes:  # NCCL: one process per GPU
+    if device.type == "cuda" and default_backend() == "gloo":  # NCCL: one process per GPU
+        processes, gpus = int(os.environ.get("LOCAL_WORLD_SIZE", 1)), torch.cuda.device_count()
         if preference == "cuda":
             raise DeviceError(f"--device cuda: {processes} processes on this machine but {gpus} "
                               f"GPU(s), and each process needs its own: start {gpus} "
