@@ -86,7 +86,9 @@ def pytest_runtest_protocol(item, nextitem):
     which the wall-clock durations of a parallel run do not show. The child count misses
     processes nobody waits for (multiprocessing's forkserver and its workers), so a fifth column
     adds the whole machine's busy CPU seconds over the test, from /proc/stat: exact in a serial
-    run (TEST_WORKERS=0) on an otherwise idle machine, meaningless in a parallel one."""
+    run (TEST_WORKERS=0) on an otherwise idle machine; in a parallel one it means nothing per test,
+    but one worker's tests cover the whole run, so their sum is the run's busy CPU. The sixth is
+    the worker's pid: tests/acct_report.py charges each process the kernel accounted to its test."""
     folder = os.environ.get("SUITE_CPU_LOG")
     if not folder:
         yield
@@ -109,4 +111,4 @@ def pytest_runtest_protocol(item, nextitem):
     Path(folder).mkdir(parents=True, exist_ok=True)
     with open(Path(folder) / f"{worker}.tsv", "a") as log:
         log.write(f"{item.nodeid}\t{cpu() - start_cpu:.2f}\t{time.monotonic() - start_wall:.2f}\t"
-                  f"{time.time():.1f}\t{machine_busy() - start_busy:.2f}\n")
+                  f"{time.time():.1f}\t{machine_busy() - start_busy:.2f}\t{os.getpid()}\n")
