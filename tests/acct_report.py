@@ -64,15 +64,13 @@ def main() -> None:
     args = parser.parse_args()
     procs, tests = read_acct(args.acct), read_tests(args.cpu_log)
 
-    def worker_of(pid: int) -> int | None:
-        seen = set()
-        while pid in procs and pid not in seen:
-            seen.add(pid)
-            parent = procs[pid]["ppid"]
-            if parent in tests:
-                return parent
-            pid = parent
-        return None
+    def ancestors(pid: int) -> list[int]:
+        """The parents accounting saw, nearest first (a guard against reused pids)."""
+        chain = []
+        while procs[pid]["ppid"] in procs and procs[pid]["ppid"] not in chain:
+            pid = procs[pid]["ppid"]
+            chain.append(pid)
+        return chain
 
     total = sum(p["cpu"] for p in procs.values())
     by_comm, by_file, apart = (collections.Counter() for _ in range(3))
@@ -81,15 +79,13 @@ def main() -> None:
         if pid in tests:
             by_file["(the pytest workers themselves)"] += p["cpu"]
             continue
-        worker = worker_of(pid)
+        chain = ancestors(pid)
+        worker = next((a for a in chain if a in tests), None)
         test = test_at(tests[worker], p["start"]) if worker else None
         if test:
             by_file[test.split("::")[0]] += p["cpu"]
         else:
-            root, seen = pid, {pid}
-            while procs[root]["ppid"] in procs and procs[root]["ppid"] not in seen:
-                root = procs[root]["ppid"]
-                seen.add(root)
+            root = chain[-1] if chain else pid
             apart[(root, procs[root]["comm"])] += p["cpu"]
     print(f"{len(procs)} processes, {total:.0f} CPU s; under a pytest worker "
           f"{sum(by_file.values()):.0f}, apart {sum(apart.values()):.0f}")
