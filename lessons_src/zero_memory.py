@@ -121,8 +121,8 @@ plt.show()
 #
 # Model state is what stays between steps. During a step a rank also holds activations and
 # temporaries, and each stage adds its own: ZeRO-2 a bucket of full gradients while it waits to
-# be reduce-scattered, ZeRO-3 one block's gathered weights (plus the model's embedding, the
-# largest unit) and that block's full gradients.
+# be reduce-scattered, ZeRO-3 one block's gathered weights (plus the root unit: the tied
+# embedding and the final norm) and that block's full gradients.
 
 # %%
 for world_size, rows in results.items():

@@ -134,14 +134,30 @@ def test_multi_gpu_and_cpu_flags_together_are_rejected(tmp_path):
     assert "You can only use one of `--cpu`, `--multi_gpu`" in result.stderr
 
 
-def test_a_new_run_removes_only_the_files_save_state_writes(tmp_path):
-    from snippets.training.accelerate_train import remove_saved_state
+def test_a_run_refuses_a_folder_with_an_earlier_runs_state_in_one_line(tmp_path):
+    (tmp_path / "optimizer.bin").write_text("x")
+    (tmp_path / "notes.txt").write_text("x")
+    result = subprocess.run([sys.executable, SCRIPT, "--steps", "1", "--state-dir", str(tmp_path)],
+                            cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stderr.splitlines() == [
+        f"error: rank ?: RunExistsError: {tmp_path} holds an earlier run's saved state "
+        "(optimizer.bin): pass another --state-dir to keep it, or --overwrite to replace it"]
+    assert "step" not in result.stdout  # refused before training
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "optimizer.bin"]
 
-    for name in ["model.safetensors", "optimizer.bin", "random_states_0.pkl", "notes.txt"]:
+
+def test_overwrite_removes_only_the_files_save_state_writes(tmp_path):
+    from snippets.training.accelerate_train import check_state_dir, saved_state
+
+    for name in ["model.safetensors", "optimizer.bin", "random_states_3.pkl", "notes.txt"]:
         (tmp_path / name).write_text("x")
     (tmp_path / "mine").mkdir()
-    remove_saved_state(str(tmp_path))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["mine", "notes.txt"]
+    check_state_dir(str(tmp_path), overwrite=True)  # no error: the learner asked for it
+    assert [p.name for p in saved_state(str(tmp_path))] == [
+        "model.safetensors", "optimizer.bin", "random_states_3.pkl"]
+    check_state_dir(str(tmp_path / "new"), overwrite=False)  # a folder not there yet is fine
 
 
 @pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--batch-size", "-1"), ("--lr", "0")])

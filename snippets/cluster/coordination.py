@@ -7,8 +7,9 @@
 
 1. Rendezvous: rank 0 opens a key-value store (a TCPStore) on MASTER_ADDR:MASTER_PORT; every
    other process, on every node, connects to it. That is the only address anyone needs to know
-   in advance: the processes then publish who they are in the store and read everyone else's
-   entries, which is how the process group learns every peer's address.
+   in advance: inside init_process_group, gloo publishes each rank's own address in the store
+   and reads everyone else's, which is how the process group learns every peer's address. The
+   demo's roll call then does the same by hand (who/0, who/1, ...) to show the store at work.
 2. A barrier: each rank "works" for a different time, then waits until all have arrived. Every
    line is timestamped: everyone leaves together, when the slowest arrives.
 3. --missing-ranks R [R ...]: these ranks never arrive. A plain barrier would wait until the

@@ -26,6 +26,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import load_tokens
+from snippets.training.checkpoint import RunExistsError
 from snippets.training.flags import Parser, int_at_least, positive_float
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.ddp_simulation_train import Windows
@@ -57,21 +58,31 @@ def parse_args(argv=None):
                         "into one gloo job even though there is no GPU")
     p.add_argument("--state-dir", default="runs/accelerate/state",
                    help="accelerator.save_state writes the final model, optimizer and RNG states here")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the state an earlier run saved in --state-dir")
     p.add_argument("--allow-independent", action="store_true",
                    help="demo of the trap: run even if every process trains its own copy alone")
     return p.parse_args(argv)
 
 
-# The files accelerator.save_state writes (accelerate/checkpointing.py): only these are removed
-# before a new run saves into the same folder; anything else there is the learner's and stays.
+# The files accelerator.save_state writes (accelerate/checkpointing.py). A run refuses a folder
+# that holds any of them unless --overwrite says to replace them; then only these are removed,
+# so an old run's random_states_3.pkl never sits beside a new 2-process state. Anything else in
+# the folder is the learner's and stays.
 SAVED_STATE = ("model*.safetensors", "pytorch_model*.bin", "optimizer*.bin", "scheduler*.bin",
                "sampler*.bin", "scaler.pt", "random_states_*.pkl", "custom_checkpoint_*.pkl")
 
 
-def remove_saved_state(state_dir: str) -> None:
-    for pattern in SAVED_STATE:
-        for path in Path(state_dir).glob(pattern):
-            path.unlink()
+def saved_state(state_dir: str) -> list[Path]:
+    return sorted(path for pattern in SAVED_STATE for path in Path(state_dir).glob(pattern))
+
+
+def check_state_dir(state_dir: str, overwrite: bool) -> None:
+    """Refuse to save over an earlier run's state, before anything starts."""
+    if (found := saved_state(state_dir)) and not overwrite:
+        raise RunExistsError(f"{state_dir} holds an earlier run's saved state "
+                             f"({', '.join(p.name for p in found)}): pass another --state-dir "
+                             "to keep it, or --overwrite to replace it")
 
 
 # --8<-- [start:check-launch]
@@ -130,6 +141,8 @@ def main(argv=None) -> None:
     # --8<-- [start:prepare]
     accelerator = Accelerator(cpu=args.cpu)  # reads the launcher's environment: rank, world, device
     independent_copies = check_launch(accelerator, args.allow_independent)
+    if not independent_copies:  # they save nothing (below)
+        check_state_dir(args.state_dir, args.overwrite)  # in every process, before training
     print_in_rank_order(accelerator, f"launcher RANK={os.environ.get('RANK', '-')} -> accelerate "
                         f"process {accelerator.process_index} of {accelerator.num_processes}, "
                         f"main process: {accelerator.is_main_process}, device: {accelerator.device}")
@@ -144,8 +157,9 @@ def main(argv=None) -> None:
     batches_before = len(loader)
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    if accelerator.is_main_process:  # a new run's saved state never mixes with an old run's files
-        remove_saved_state(args.state_dir)
+    if accelerator.is_main_process:  # --overwrite: the old state goes before the new is saved
+        for path in saved_state(args.state_dir):
+            path.unlink()
 
     accelerator.print(f"{accelerator.distributed_type.value}: {accelerator.num_processes} "
                       f"processes, backend {accelerator.state.backend}")
