@@ -48,9 +48,9 @@ print("benchmarks:", ", ".join(results))
 # The matmul peak is the denominator of model FLOPs utilisation (MFU): the most FLOP/s this CPU
 # reaches on large square matmuls. Training throughput is the small GPT's tokens per second,
 # measured in fp32 and under bf16 autocast. See
-# [profiling](../../reference/profiling/) for what MFU leaves out and
-# [FP8 and low precision](../../course/week-3/low-precision/) for why bf16 training is not
-# faster on this CPU even though its matmuls are. Reproduce:
+# [the calculator](../../reference/calculator/#flops-and-communication) for what MFU leaves out
+# and [FP8 and low precision](../../course/week-3/low-precision/) for why bf16 training gains so
+# much less than its matmuls on this CPU. Reproduce:
 # `python -m snippets.bench --only matmul --only train_throughput --out /tmp/b.json`.
 
 # %%

@@ -133,8 +133,9 @@ for world_size, rows in results.items():
         print(f"{'':9}{name:<8}{state:>16.2f}{peak:>10.2f}{peak - state:>14.2f}")
 
 # %% [markdown]
-# For a model this small, one 128-token sequence's activations are as large as the whole model
-# state, so the peak falls by less than the model state does. For a 7B-parameter model in
+# For a model this small, one 128-token sequence's activations and temporaries (the DDP row's
+# "step adds") come to almost half the whole model state, and no stage shards them, so the peak
+# falls by less than the model state does. For a 7B-parameter model in
 # mixed precision the model state is 112 GB against a few GB of activations per sequence, and
 # the model state is what decides whether training fits.
 #

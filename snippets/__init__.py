@@ -30,8 +30,8 @@ Where each kind of thing lives:
     machine.py   the machine a run happened on, and the device to train on
 
 Importing it pins the CPU kernels that PyTorch picks by instruction set, so a page's printed
-numbers come out the same on any x86-64 machine with AVX2 (every Intel CPU since 2013 and every
-AMD Zen), not only on the one that wrote the page:
+numbers come out the same on any x86-64 machine with AVX2 (every Intel Core since Haswell, 2013,
+and every AMD Zen), not only on the one that wrote the page:
 
 - ATen's vectorised kernels (elementwise ops, softmax, reductions) are compiled for AVX2 and
   AVX-512 and chosen at the first op: 8 or 16 floats per instruction sum in different orders.

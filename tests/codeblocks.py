@@ -101,6 +101,26 @@ _SKIPS: dict[str, tuple] = {}
 _SHOWN: set[str] = set()
 
 
+# Code typed into a page (not included from snippets/) is usage: calls, prints, a loop. A definition
+# belongs in a module, where the tests import it and a reader can run it; a longer block is a
+# program that belongs there too. The longest typed Python block on the pages has 10 lines.
+TYPED_PYTHON_MAX_LINES = 12
+DEFINITION = re.compile(r"^\s*(?:async\s+def|def|class)\s+(\w+)")
+
+
+def check_typed_python(raw_code: str, where) -> None:
+    """Refuse a Python block whose typed lines define a function or class, or run long."""
+    typed = [line for line in raw_code.splitlines() if line.strip() and not INCLUDE.match(line)]
+    defined = [m.group(1) for line in typed if (m := DEFINITION.match(line))]
+    if defined:
+        raise BlockError(f"{where}: this block defines {', '.join(defined)} in the page; move it "
+                         "into a module in snippets/ and include it with --8<--")
+    if len(typed) > TYPED_PYTHON_MAX_LINES:
+        raise BlockError(f"{where}: {len(typed)} lines of Python typed into the page (at most "
+                         f"{TYPED_PYTHON_MAX_LINES}); move the code into a module in snippets/ "
+                         "and include it, or call it, from the page")
+
+
 class BlockError(Exception):
     """A block failed; the message is shown as the test's failure, without a traceback."""
 
@@ -384,6 +404,8 @@ class MarkdownPage(pytest.File):
                     if path.suffix == ".py" and path.is_file() and ROOT in path.parents)
             elif lang in RUN_LANGS:
                 kind = "run"
+                if RUN_LANGS[lang] == "python":
+                    check_typed_python(block.code, f"{where}:{block.lineno}")
             elif lang in DATA_LANGS:
                 kind = "data"
             elif lang in SHOWN_LANGS and not marks:

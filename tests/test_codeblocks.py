@@ -247,13 +247,18 @@ def test_markers_and_fences_that_would_hide_code_are_refused(tmp_path):
         "importorskip": "<!--pytest-codeblocks:importorskip(torch)-->\n" + block,
         "tilde": "~~~python\nraise SystemExit(1)\n~~~\n",
         "bad_tolerance": block + "\n<!--pytest-codeblocks:expected-output(rtol=abc)-->\n```text\n1\n```\n",
+        # Code typed into a page is usage, not a module: no definitions, no long programs.
+        "defines": "```python\nimport torch\n\nclass Net:\n    def forward(self):\n        pass\n```\n",
+        "long": "```python\n" + "x = 1\n" * 13 + "```\n",
     }
     result = run_pages(tmp_path, **pages)
     assert result.returncode != 0
     for expected in ("skipfile--> skips every block", "expect-error--> counts a failing block",
                      "pytest.mark.xfail...--> counts a failing block as a pass",
                      "importorskip(torch)--> turns a missing dependency into a skip",
-                     "tilde.md:1: a ~~~ fence", "expected-output(rtol=abc): write"):
+                     "tilde.md:1: a ~~~ fence", "expected-output(rtol=abc): write",
+                     "this block defines Net, forward in the page; move it into a module",
+                     "13 lines of Python typed into the page (at most 12)"):
         assert expected in result.stdout, (expected, result.stdout[-3000:])
     assert f"{len(pages)} errors" in result.stdout
     # Blocks inside tabs, admonitions and list items are indented fences, not indented code;

@@ -151,7 +151,7 @@ def run(config_name: str = "small", batch_size: int = 1, seq_len: int | None = N
 
 def format_table(result: dict) -> str:
     lines = [f"{result['config']} GPT ({result['parameters']:,} parameters, "
-             f"{result['gradient_MB']} MB of fp32 gradients), {result['world_size']} ranks on "
+             f"{result['gradient_MB']} MiB of fp32 gradients), {result['world_size']} ranks on "
              f"{result['backend']}, batch {result['batch_size_per_rank']} x "
              f"{result['seq_len']} tokens per rank, median of {result['rounds']} steps",
              f"{'variant':<18}{'all-reduces':>12}{'step ms':>10}{'vs torch DDP':>14}"]
