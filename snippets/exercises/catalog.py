@@ -330,8 +330,8 @@ EXERCISES: tuple[Exercise, ...] = (
         number=14, title="FSDPTrainer._get_fsdp_policy", file=FSDP_FILE,
         sections=("exercise-14",), phase=3,
         task="return the modules that become FSDP units, in the order fully_shard is applied, "
-             "so that few parameters are whole at once: the check measures the all-gathers "
-             "and the peak share of whole parameters your units give",
+             "so that few parameters are whole at once: the check counts the all-gathers "
+             "and measures the peak share of whole parameters your units give",
         concept="FSDP wrapping granularity: units set the peak memory and the message count",
         difficulty="Easy (2-3 lines)",
         hints=(

@@ -63,10 +63,10 @@ def _process_group_of_one():
 
 # ---------------------------------------------------------------- exercise 12: strategies
 #
-# Judged by what each strategy does, measured: the learner's mapping trains one step on 2 gloo
-# processes for each strategy, and the check measures the share of the parameters each rank
-# stores, the share it holds between forward and backward, and the all-gathers over the 2 ranks
-# in forward and in backward. Each strategy is recognised by its measurement (the behaviour
+# Judged by what each strategy does, measured: the learner's mapping runs one forward and
+# backward on 2 gloo processes for each strategy, and the check measures the share of the
+# parameters each rank stores, the share it holds between forward and backward, and the
+# all-gathers over the 2 ranks in forward and in backward. Each strategy is recognised by its measurement (the behaviour
 # MEANING describes), so a mapping that behaves as another strategy is named as that one.
 # HYBRID_SHARD needs more ranks: its mesh is judged without processes, on 8 ranks in groups of 4.
 
