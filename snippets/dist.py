@@ -1,7 +1,8 @@
 """Starting torch.distributed: from a launcher's environment, or by spawning processes here.
 
 Every process group created here has a timeout, so a collective that waits for a dead or hung
-rank raises an error after `timeout_s` seconds instead of blocking forever.
+rank fails after `timeout_s` seconds instead of blocking forever: under gloo it raises an error;
+under NCCL the watchdog aborts the communicator and the process is killed.
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ class LaunchError(RuntimeError):
 
 # --8<-- [start:init-from-env]
 def read_launch_env() -> dict:
-    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun or SLURM set them."""
+    """RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT, as torchrun sets them (under
+    SLURM too: the course's batch scripts start torchrun with srun)."""
     missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
                if name not in os.environ]
     if missing:
@@ -75,8 +77,9 @@ def init_from_env(backend: str | None = None, timeout_s: float = DEFAULT_TIMEOUT
         # After a restart, torchrun's store still holds the dead workers' addresses from the
         # previous attempt; a fresh key prefix keeps the new workers from connecting to them.
         store = dist.PrefixStore(f"restart{restart}", store)
-    # device_id binds NCCL's communicator to this process's GPU: without it, torch guesses the
-    # GPU from the global rank (and says so in a warning), wrong from the second node on.
+    # device_id binds the group to this process's GPU, so NCCL creates its communicator at
+    # init; without it, barrier() falls back to the current device with a warning, and the
+    # last-resort guess, global rank mod GPUs per node, is wrong when nodes are uneven.
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store),
                             rank=env["rank"], world_size=env["world_size"],
                             timeout=timedelta(seconds=timeout_s),

@@ -75,6 +75,19 @@ def test_sweep_checks_every_config_before_training(tmp_path, capsys):
     assert not (tmp_path / "sweep").exists()  # the baseline was not trained first
 
 
+def test_sweep_refuses_a_folder_that_holds_anything_and_leaves_it_as_it_was(tmp_path, capsys):
+    out = tmp_path / "sweep"
+    (out / "base").mkdir(parents=True)
+    (out / "base" / "run.json").write_text("{}")  # say, the learner's own run of the trainer
+    for _ in range(2):  # refused twice: the first refusal leaves nothing that would pass the second
+        assert lab1_sweep.main(["--out", str(out), "--steps", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err == (f"error: {out} already holds base: pass another --out to keep it, or "
+                       "--overwrite to replace the sweep's runs there\n")
+        assert [p.relative_to(out).as_posix() for p in sorted(out.rglob("*"))] == [
+            "base", "base/run.json"]
+
+
 def test_moving_average():
     assert lab1_sweep.moving_average([1, 2, 3, 4, 5], 2) == [1, 1.5, 2.5, 3.5, 4.5]
 

@@ -108,6 +108,31 @@ def test_missing_truncated_and_mismatched_rank_files_are_named(saved, tmp_path):
 # --8<-- [end:test-errors]
 
 
+def test_merge_logs_never_writes_over_a_file_it_did_not_write(tmp_path, capsys):
+    from snippets.cluster.merge_logs import main
+
+    (tmp_path / "logs/rank_0").mkdir(parents=True)
+    rank0 = tmp_path / "logs/rank_0/train.log"
+    rank0.write_text("12:00:00 rank 0 | step 1\n")
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
+
+    def refused(*args: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main([str(tmp_path / "logs"), *args])
+        assert exit_.value.code == 2
+        return capsys.readouterr().err
+
+    assert "is one of the logs it reads" in refused("--out", str(rank0), "--overwrite")
+    assert f"--out {notes} exists: pass another --out, or --overwrite" in refused("--out", str(notes))
+    assert rank0.read_text() == "12:00:00 rank 0 | step 1\n" and notes.read_text() == "mine"
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "no-such-dir")])
+    assert len(capsys.readouterr().err.strip().splitlines()) == 1  # one line, no traceback
+    main([str(tmp_path / "logs"), "--out", str(notes), "--overwrite"])
+    assert notes.read_text() == "12:00:00 rank 0 | step 1\n"
+
+
 def test_shard_bounds_cover_the_buffer_once():
     for numel in (0, 1, 7, 115_520):
         for world in (1, 2, 3, 4, 8):

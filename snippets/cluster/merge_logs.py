@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
 import re
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,18 +91,32 @@ def last_line_per_rank(entries: list[Entry]) -> dict[int, Entry]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from snippets.training.flags import Parser
+
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("log_dir", help="the directory holding rank_0/, rank_1/, ...")
     p.add_argument("--file", default="train.log", help="log file name inside each rank_N/")
-    p.add_argument("--out", help="also write the merged timeline to this file")
+    p.add_argument("--out", type=Path, help="also write the merged timeline to this file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     p.add_argument("--last", action="store_true", help="print only each rank's last line")
     args = p.parse_args(argv)
-    entries = merge_rank_logs(args.log_dir, args.file)
+    out = args.out
+    if out and RANK_DIR.match(out.resolve().parent.name) and out.name == args.file \
+            and out.resolve().parent.parent == Path(args.log_dir).resolve():
+        p.error(f"--out {out} is one of the logs it reads: choose a file outside {args.log_dir}")
+    if out and out.exists() and not args.overwrite:
+        p.error(f"--out {out} exists: pass another --out, or --overwrite to replace it")
+    try:
+        entries = merge_rank_logs(args.log_dir, args.file)
+    except FileNotFoundError as err:
+        p.error(str(err))
     lines = [str(e) for e in (last_line_per_rank(entries).values() if args.last else entries)]
     print("\n".join(lines))
-    if args.out:
-        Path(args.out).write_text("\n".join(lines) + "\n")
+    if out:  # written whole, then renamed: never half a timeline
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        os.replace(tmp, out)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,5 @@
-"""Ring all-reduce from point-to-point messages: what NCCL does for `dist.all_reduce`.
+"""Ring all-reduce from point-to-point messages: the algorithm NCCL uses for large all-reduces
+(it picks trees and others where they are faster).
 
 Each of N ranks talks only to its two ring neighbours. The tensor is cut into N chunks;
 a reduce-scatter pass (N-1 steps) leaves each rank with the full sum of one chunk, and an

@@ -92,10 +92,10 @@ def gpipe_schedule(num_micro_batches: int, stage_index: int, num_stages: int) ->
 def one_f_one_b_schedule(num_micro_batches: int, stage_index: int, num_stages: int) -> list:
     """Warm-up forwards, then one forward and one backward in turn, then the last backwards.
 
-    Stage s runs p - s - 1 forwards before its first backward: just enough that, when the
-    pipeline is full, the gradient of micro-batch 0 comes back exactly when the stage would
-    otherwise wait. From then on every backward frees one micro-batch's activations before the
-    next forward stores another, so stage s never holds more than p - s of them.
+    Stage s runs p - s - 1 warm-up forwards, p - s in all before its first backward: just
+    enough that, when the pipeline is full, the gradient of micro-batch 0 comes back exactly when
+    the stage would otherwise wait. From then on every backward frees one micro-batch's
+    activations before the next forward stores another, so stage s holds at most p - s.
     """
     m = num_micro_batches
     warmup = min(num_stages - stage_index - 1, m)

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from snippets.models.gpt import GPT, ConfigError, get_config
-from snippets.training.checkpoint import CheckpointError
+from snippets.training.checkpoint import CheckpointError, RunExistsError
 from snippets.training.flags import Parser, int_at_least
 from snippets.training.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
 
@@ -45,7 +45,8 @@ def config_changes(baseline: dict, config: dict) -> str:
 
 # --8<-- [start:run-variant]
 def run_variant(config_path: Path, out: Path, steps: int, batch_size: int,
-                context_length: int, seed: int, device: str = "cpu") -> dict:
+                context_length: int, seed: int, device: str = "cpu",
+                overwrite: bool = False) -> dict:
     """Train one config with the shared settings; summarise the run as one table row."""
     argv = ["--config", str(config_path), "--out", str(out), "--epochs", "1",
             "--steps-per-epoch", str(steps), "--batch-size", str(batch_size),
@@ -53,8 +54,8 @@ def run_variant(config_path: Path, out: Path, steps: int, batch_size: int,
             "--eval-every", str(max(1, steps // 4)), "--eval-batches", "10",
             "--ckpt-every", "0", "--keep-last", "1",
             "--device", device, "--threads", "1", "--sample-tokens", "60"]
-    if (out / "train.log").exists():  # this sweep's own earlier run: replace it; any other
-        argv.append("--overwrite")     # run in `out` makes the trainer refuse
+    if overwrite:  # the learner asked for it; the trainer still deletes only its own kinds of file
+        argv.append("--overwrite")
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train.log", "w") as log, contextlib.redirect_stdout(log):
         records = train(parse_args(argv))
@@ -135,15 +136,20 @@ def plot_curves(rows: list[dict], png_path: Path, vocab_size: int = 256) -> None
 
 
 def sweep(configs: list[Path], out: Path, steps: int, batch_size: int, context_length: int,
-          seed: int = 1337, device: str = "cpu", progress=print) -> list[dict]:
+          seed: int = 1337, device: str = "cpu", progress=print,
+          overwrite: bool = False) -> list[dict]:
     for path in configs:  # every config is checked before any training starts
         get_config(path)
+    # ... and the folder: an earlier sweep (or anything else) in it stays unless asked.
+    if out.is_dir() and (found := sorted(p.name for p in out.iterdir())) and not overwrite:
+        raise RunExistsError(f"{out} already holds {', '.join(found)}: pass another --out to "
+                             "keep it, or --overwrite to replace the sweep's runs there")
     rows = []
     for path in configs:
         name = variant_name(path)
         progress(f"training {name} ({os.path.relpath(path)}) ...")
         rows.append(run_variant(Path(path), out / name, steps, batch_size, context_length, seed,
-                                device))
+                                device, overwrite))
     out.mkdir(parents=True, exist_ok=True)
     plot_curves(rows, out / "loss_curves.png")
     (out / "summary.json").write_text(json.dumps(
@@ -162,16 +168,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int_at_least(1), default=120, help="optimizer steps per config")
     p.add_argument("--batch-size", type=int_at_least(1), default=8)
     p.add_argument("--context-length", type=int_at_least(1), default=64)
-    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--seed", type=int_at_least(0), default=1337)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
                    help="the same device for every config, so tokens/s compare")
     p.add_argument("--out", type=Path, default=Path("runs/lab1/sweep"))
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier sweep in --out (each run's own files only)")
     args = p.parse_args(argv)
     configs = args.configs or DEFAULT_VARIANTS
     started = time.perf_counter()
     try:
         rows = sweep(configs, args.out, args.steps, args.batch_size, args.context_length,
-                     args.seed, args.device)
+                     args.seed, args.device, overwrite=args.overwrite)
     except (ConfigError, CheckpointError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
