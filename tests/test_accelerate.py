@@ -71,7 +71,7 @@ def checked_output(command: str) -> str:
 
 
 def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data():
-    out = checked_output("snippets/training/accelerate_train.py --cpu --steps 5\n")
+    out = checked_output("snippets/training/accelerate_train.py --cpu --steps 5 --overwrite\n")
     assert processes(out) == [("0", 0, 2, True), ("1", 1, 2, False)]
     assert "MULTI_CPU: 2 processes, backend gloo" in out
     assert "model -> DistributedDataParallel" in out
@@ -88,7 +88,8 @@ def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_dat
 def test_accelerate_use_cpu_env_and_torchrun_are_the_same_fix_as_cpu_true():
     out = checked_output("ACCELERATE_USE_CPU=1 accelerate launch")
     assert out.count("MULTI_CPU: 2 processes, backend gloo") == 2
-    step2 = re.search(r"step   2 \| .* checksums (\S+),", checked_output("--cpu --steps 5\n"))[1]
+    step2 = re.search(r"step   2 \| .* checksums (\S+),",
+                      checked_output("--cpu --steps 5 --overwrite\n"))[1]
     assert final_checksums(out) == [float(step2)] * 4  # both launches, both processes
 
 
@@ -116,7 +117,7 @@ def test_the_trap_trains_two_copies_of_a_one_process_run():
     # of the same 5 steps: the second process added nothing but a duplicate.
     single, copy0, copy1 = final_checksums(out)
     assert single == copy0 == copy1
-    assert single != final_checksums(checked_output("--cpu --steps 5\n"))[0]
+    assert single != final_checksums(checked_output("--cpu --steps 5 --overwrite\n"))[0]
 
 
 def test_a_multi_cpu_config_file_also_starts_a_single_process(tmp_path):

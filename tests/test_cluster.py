@@ -118,3 +118,36 @@ def test_training_script_refuses_bad_numbers_at_parse_time(capsys, flag, value, 
         parse_args([flag, value])
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_lab3_script_refuses_an_earlier_runs_checkpoint_and_overwrite_replaces_it(tmp_path):
+    """One process under the fake launcher: an earlier checkpoint and a 3-rank run's rank file
+    stay untouched without --overwrite (one line, exit 1); with it, both are replaced."""
+    import torch
+
+    from snippets.training.checkpoint import load_checkpoint, save_checkpoint
+
+    ckpt, ranked = tmp_path / "ckpt.pt", tmp_path / "ranked"
+    save_checkpoint(ckpt, {"step": 99})
+    ranked.mkdir()
+    (ranked / "rank_00002-of-00003.pt").write_bytes(b"an earlier run's shard")
+    job = [*LAUNCHER, "--nnodes", "1", "--nproc-per-node", "1",
+           "snippets/cluster/multi_node_train.py", "--steps", "1", "--ckpt", str(ckpt),
+           "--ranked-dir", str(ranked)]
+    refused = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 1, refused.stdout[-2000:]
+    assert (f"error: rank 0: RunExistsError: {ckpt}, {ranked / 'rank_00002-of-00003.pt'} holds "
+            "an earlier run's checkpoint: pass another --ckpt (and --ranked-dir) to keep it, or "
+            "--overwrite to replace it") in refused.stdout
+    assert "step 1" not in refused.stdout  # refused before training
+    assert load_checkpoint(ckpt) == {"step": 99}
+    assert (ranked / "rank_00002-of-00003.pt").read_bytes() == b"an earlier run's shard"
+
+    done = subprocess.run([*job, "--overwrite"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:]
+    assert load_checkpoint(ckpt)["step"] == 1
+    assert sorted(p.name for p in ranked.iterdir()) == [
+        "rank_00000-of-00001.pt", "rank_00000-of-00001.pt.json"]
+    assert isinstance(load_checkpoint(ranked / "rank_00000-of-00001.pt")["shards"]["model"],
+                      torch.Tensor)

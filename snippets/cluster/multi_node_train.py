@@ -21,17 +21,19 @@ import socket
 import statistics
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
-from snippets.cluster.ranked_checkpoint import adam_groups, save_shard
+from snippets.cluster.ranked_checkpoint import FILE_PATTERN, adam_groups, save_shard
 from snippets.dist import (LaunchError, StopSignal, collective_device, init_from_env,
                            leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import save_checkpoint
+from snippets.training.checkpoint import RunExistsError, save_checkpoint
+from snippets.training.flags import int_at_least, positive_float
 
 VAL_FRACTION = 0.1  # the same split evaluate_checkpoint.py holds out
 
@@ -65,16 +67,40 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr", type=positive_float, default=3e-3)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--ckpt", default="runs/session-c/ckpt.pt", help="rank 0 writes it at the end")
     p.add_argument("--ranked-dir", default=None,
                    help="also save ranked checkpoints here: each rank writes its own shard")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier run's --ckpt and rank files in --ranked-dir")
     p.add_argument("--timeout", type=float, default=60, help="seconds a collective may wait")
     args = p.parse_args(argv)
     if not args.timeout > 0:
         p.error(f"--timeout {args.timeout:g}: must be more than 0 seconds")
     return args
+
+
+def rank_files(directory: str | None) -> list[Path]:
+    return sorted(p for p in Path(directory).iterdir() if FILE_PATTERN.match(p.name)) \
+        if directory and os.path.isdir(directory) else []
+
+
+def earlier_outputs(args) -> list[Path]:
+    """What an earlier run left where this one will write: its checkpoint, its rank files."""
+    return ([Path(args.ckpt)] if os.path.exists(args.ckpt) else []) + rank_files(args.ranked_dir)
+
+
+def refuse_earlier_outputs(args) -> None:
+    """Every rank stops before training if any rank sees an earlier run's files (a node's disk
+    may be its own), unless --overwrite."""
+    found = [] if args.overwrite else earlier_outputs(args)
+    anyone = torch.tensor([len(found)], dtype=torch.int32, device=collective_device())
+    dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
+    if anyone.item():
+        names = ", ".join(str(p) for p in found[:3]) or "another node's disk"
+        raise RunExistsError(f"{names} holds an earlier run's checkpoint: pass another --ckpt "
+                             "(and --ranked-dir) to keep it, or --overwrite to replace it")
 
 
 def positive_int(text: str) -> int:
@@ -98,6 +124,7 @@ def main(argv=None) -> None:
 
     # --8<-- [start:train]
     config = get_config(args.config)
+    refuse_earlier_outputs(args)  # an earlier run's checkpoint stays, unless --overwrite
     context = config.max_position_embeddings
     train_tokens, _ = train_val_split(load_tokens(None, context_length=context), VAL_FRACTION,
                                       context)
@@ -138,6 +165,11 @@ def main(argv=None) -> None:
         print(f"checkpoint: {args.ckpt}", flush=True)
     # --8<-- [start:ranked]
     if args.ranked_dir:  # every rank writes its slice, in parallel: rank_0000R-of-0000N.pt
+        if rank == 0:  # --overwrite: an earlier run's rank files go first, whatever its size
+            for old in rank_files(args.ranked_dir):
+                old.unlink()
+                old.with_name(old.name + ".json").unlink(missing_ok=True)  # its checksum
+        dist.barrier()
         path = save_shard(args.ranked_dir, step, rank, world,
                           adam_groups(model.module, optimizer))
         print(f"rank {rank}: saved {path}", flush=True)
