@@ -174,3 +174,30 @@ def test_merge_logs_orders_ranks_by_time_and_labels_every_line(tmp_path):
     with pytest.raises(FileNotFoundError, match="rank_N/train.log"):
         merge_rank_logs(tmp_path / "nothing")
 # --8<-- [end:test-merge-logs]
+
+
+def test_the_command_line_never_writes_over_an_earlier_save_and_errors_are_one_line(tmp_path,
+                                                                                   capsys):
+    from snippets.cluster.ranked_checkpoint import main
+
+    saved = tmp_path / "step_3"
+    saved.mkdir()
+    (saved / "rank_00000-of-00003.pt").write_bytes(b"an earlier save")
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"the learner's consolidated model")
+
+    def error(*argv: str) -> str:
+        with pytest.raises(SystemExit) as exit_:
+            main(list(argv))
+        assert exit_.value.code == 1
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
+        return err
+
+    assert "holds an earlier save (rank_00000-of-00003.pt, ...): pass another directory to keep " \
+           "it, or --overwrite" in error("save", str(saved))
+    assert f"{model} exists: pass another output path, or --overwrite" in error(
+        "consolidate", str(saved), str(model))
+    assert "no ranked checkpoint files" in error("inspect", str(tmp_path / "nothing"))
+    assert (saved / "rank_00000-of-00003.pt").read_bytes() == b"an earlier save"
+    assert model.read_bytes() == b"the learner's consolidated model"

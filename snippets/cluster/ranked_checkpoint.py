@@ -4,10 +4,12 @@
     python -m snippets.cluster.ranked_checkpoint inspect runs/ranked/step_3
     python -m snippets.cluster.ranked_checkpoint consolidate runs/ranked/step_3 runs/ranked/model.pt
 
-A sharded trainer (ZeRO, FSDP) holds on each rank a contiguous slice of one flat buffer: all
-parameters (or all of Adam's moments) concatenated in a fixed order, cut into world_size equal
-pieces. Saving that slice is all a rank can do without gathering, and it is the fastest way to
-save: N ranks write N files in parallel. Each file, `rank_00001-of-00002.pt`, holds
+A ZeRO-1/2 trainer (and FSDP1, with its flat parameters) holds on each rank a contiguous slice
+of one flat buffer: all parameters (or all of Adam's moments) concatenated in a fixed order, cut
+into world_size equal pieces. (FSDP2 and DeepSpeed's ZeRO-3 shard each parameter on its own
+instead; saving only your shard, with the layout beside it, works the same way.) Saving that
+slice is all a rank can do without gathering, and it is the fastest way to save: N ranks write
+N files in parallel. Each file, `rank_00001-of-00002.pt`, holds
 
 * the rank's slice of every group of tensors (e.g. "model", "exp_avg", "exp_avg_sq"), and
 * metadata: step, rank, world size, and each group's names and shapes, so the file alone says
@@ -29,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, load_checkpoint,
-                                          save_checkpoint)
+from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, RunExistsError,
+                                          load_checkpoint, save_checkpoint)
 from snippets.training.flags import Parser, int_at_least
 
 FILE_PATTERN = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
@@ -220,21 +222,41 @@ def main(argv=None) -> None:
     save.add_argument("directory")
     save.add_argument("--world-size", type=int_at_least(1), default=2)
     save.add_argument("--step", type=int_at_least(1), default=3, help="training steps before saving")
+    save.add_argument("--overwrite", action="store_true",
+                      help="replace the rank files an earlier save left in DIRECTORY")
     sub.add_parser("inspect", help="list the rank files and their metadata").add_argument(
         "directory")
     cons = sub.add_parser("consolidate", help="join all shards into one ordinary checkpoint")
     cons.add_argument("directory")
     cons.add_argument("output")
+    cons.add_argument("--overwrite", action="store_true", help="replace an existing OUTPUT")
     args = p.parse_args(argv)
+    try:
+        _run(args)
+    except CheckpointError as err:  # a missing, damaged or refused checkpoint: one line
+        p.exit(1, f"error: {err}\n")
+
+
+def _run(args) -> None:
 
     if args.command == "save":
         from snippets.dist import spawn
 
+        earlier = sorted(p for p in Path(args.directory).glob("rank_*-of-*.pt*")
+                         if FILE_PATTERN.match(p.name.removesuffix(".json")))
+        if earlier and not args.overwrite:
+            raise RunExistsError(f"{args.directory} holds an earlier save ({earlier[0].name}, ...): "
+                                 "pass another directory to keep it, or --overwrite to replace it")
+        for old in earlier:  # all of them first: files of two world sizes never mix
+            old.unlink()
         for path in spawn(_demo_save, args.world_size, args.directory, args.step, timeout_s=120):
             print(f"wrote {path}")
     elif args.command == "inspect":
         _inspect(args.directory)
     else:
+        if Path(args.output).exists() and not args.overwrite:
+            raise RunExistsError(f"{args.output} exists: pass another output path, or "
+                                 "--overwrite to replace it")
         meta, groups = consolidate(args.directory)
         save_checkpoint(args.output, {"step": meta["step"], **groups})
         numel = sum(t.numel() for g in groups.values() for t in g.values())
