@@ -134,3 +134,30 @@ def test_a_path_with_a_space_is_refused_before_the_build(monkeypatch, tmp_path):
     monkeypatch.setattr(train_deepspeed, "torch_lib_dir", lambda: tmp_path / "my course" / "lib")
     with pytest.raises(RuntimeError, match=r"a path with a space.*VENV=\$HOME/\.venvs/course"):
         train_deepspeed.main(["--prebuild-ops"])
+
+
+def test_a_run_refuses_an_earlier_checkpoint_of_as_many_steps_before_starting(tmp_path):
+    from snippets.cluster.deepspeed import train_deepspeed
+    from snippets.training.checkpoint import RunExistsError
+
+    (tmp_path / "step5").mkdir()
+    (tmp_path / "step5" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"earlier")
+    # Refused before any process group starts (no launcher environment is needed to get here).
+    with pytest.raises(RunExistsError, match="step5 holds an earlier run's checkpoint: pass "
+                                             "another --save-dir to keep it, or --overwrite"):
+        train_deepspeed.main(["--steps", "5", "--save-dir", str(tmp_path)])
+    assert (tmp_path / "step5" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").exists()
+
+
+def test_consolidate_refuses_to_replace_model_pt_and_reports_a_missing_checkpoint(tmp_path,
+                                                                                 capsys):
+    from snippets.cluster.deepspeed.consolidate import main
+
+    (tmp_path / "model.pt").write_bytes(b"the learner's")
+    for argv, message in [([str(tmp_path)], "model.pt exists: pass --overwrite"),
+                          ([str(tmp_path / "none"), "--overwrite"], "error: ")]:
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_.value.code == 1 and message in err and len(err.strip().splitlines()) == 1
+    assert (tmp_path / "model.pt").read_bytes() == b"the learner's"

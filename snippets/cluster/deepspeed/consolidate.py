@@ -18,6 +18,7 @@ import torch
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import save_checkpoint
+from snippets.training.flags import Parser, int_at_least
 
 
 # --8<-- [start:consolidate]
@@ -39,13 +40,20 @@ def consolidate_zero_checkpoint(checkpoint_dir: str | Path, tag: str | None = No
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("checkpoint_dir", help="the --save-dir of train_deepspeed.py")
     p.add_argument("--tag", default=None, help="default: the one in CHECKPOINT_DIR/latest")
-    p.add_argument("--context", type=int, default=32)
+    p.add_argument("--context", type=int_at_least(1), default=32)
+    p.add_argument("--overwrite", action="store_true", help="replace CHECKPOINT_DIR/model.pt")
     args = p.parse_args(argv)
-    model = consolidate_zero_checkpoint(args.checkpoint_dir, args.tag, args.context)
-    out = save_checkpoint(Path(args.checkpoint_dir) / "model.pt", {"model": model.state_dict()})
+    out = Path(args.checkpoint_dir) / "model.pt"
+    if out.exists() and not args.overwrite:
+        p.exit(1, f"error: {out} exists: pass --overwrite to replace it\n")
+    try:
+        model = consolidate_zero_checkpoint(args.checkpoint_dir, args.tag, args.context)
+    except (FileNotFoundError, ValueError) as err:  # no checkpoint there, or not the tiny GPT
+        p.exit(1, f"error: {err}\n")
+    save_checkpoint(out, {"model": model.state_dict()})
     from snippets.cluster.deepspeed.train_deepspeed import global_batches
 
     with torch.no_grad():

@@ -29,6 +29,8 @@ import torch.distributed as dist
 from snippets.data.dataset import load_tokens
 from snippets.dist import init_from_env, leave_process_group
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.training.checkpoint import RunExistsError
+from snippets.training.flags import Parser, int_at_least, positive_float
 
 CONFIG_DIR = Path(__file__).resolve().parent
 # On the CPU accelerator DeepSpeed compiles a small C++ op (shared-memory collectives) the first
@@ -142,12 +144,15 @@ def prebuild_ops() -> str:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="zero2", help=f"{', '.join(STAGES)} or a JSON path")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--context", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--steps", type=int_at_least(1), default=5)
+    p.add_argument("--context", type=int_at_least(1), default=32, help="tokens per sequence")
     p.add_argument("--save-dir", default=None, help="write a ZeRO checkpoint here at the end")
-    p.add_argument("--timeout", type=float, default=120, help="seconds a collective may wait")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the checkpoint an earlier run of as many steps left in SAVE_DIR")
+    p.add_argument("--timeout", type=positive_float, default=120,
+                   help="seconds a collective may wait")
     p.add_argument("--prebuild-ops", action="store_true",
                    help="only compile DeepSpeed's JIT ops for this machine, then exit")
     # The deepspeed launcher passes --local_rank=N to every process (it also sets LOCAL_RANK).
@@ -161,18 +166,25 @@ def main(argv=None) -> None:
         print(prebuild_ops())
         return
     ds_config = load_ds_config(args.config)
+    tag_dir = Path(args.save_dir) / f"step{args.steps}" if args.save_dir else None
+    if tag_dir and tag_dir.exists() and not args.overwrite:
+        raise RunExistsError(f"{tag_dir} holds an earlier run's checkpoint: pass another "
+                             "--save-dir to keep it, or --overwrite to replace it")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     env = init_from_env(backend, timeout_s=args.timeout)
     log = print if env["rank"] == 0 else (lambda *a: None)
     engine, losses = train(ds_config, args.steps, args.context, log=log)
-    if args.save_dir:
-        # Every rank writes its own shard files under SAVE_DIR/stepN/, rank 0 the module states.
+    if tag_dir:
+        if env["rank"] == 0 and tag_dir.exists():  # --overwrite: no old rank's file stays behind
+            shutil.rmtree(tag_dir)
+        dist.barrier()
+        # Every rank writes its own shard files under SAVE_DIR/stepN/ (its optimizer states; the
+        # module states come from rank 0, or from every rank under ZeRO-3).
         engine.save_checkpoint(args.save_dir, tag=f"step{args.steps}")
     if env["rank"] == 0:
         print(f"ZeRO stage {engine.zero_optimization_stage()} on {env['world_size']} {backend} "
               f"ranks: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-        if args.save_dir:
-            tag_dir = Path(args.save_dir) / f"step{args.steps}"
+        if tag_dir:
             print(f"checkpoint {tag_dir}: {', '.join(sorted(os.listdir(tag_dir)))}")
     leave_process_group()  # rank 0, which hosts the store, leaves last
 
