@@ -42,7 +42,7 @@ def buggy_step(rank: int, bug: str, wait_s: float) -> None:
             dist.all_reduce(grad)
         else:
             time.sleep(wait_s)  # still alive, but never calls the all_reduce
-    elif bug == "shape":  # e.g. an uneven last batch, all-gathered without padding
+    elif bug == "shape":  # e.g. an uneven last batch, all-reduced without padding
         dist.all_reduce(torch.ones(4 + rank))
 # --8<-- [end:bugs]
 

@@ -8,7 +8,7 @@ Why byte-level for this course:
 * Any text file works. Every string has a UTF-8 encoding, so there are no
   unknown tokens: accents, emoji and code all round-trip.
 * The vocabulary fits the tiny model. 256 rows in the embedding table and the
-  output layer is a few thousand parameters at ``hidden_size=64``, against
+  output layer (tied: one table) is 16,384 parameters at ``hidden_size=64``, against
   ~50k rows (millions of parameters) for GPT-2's BPE vocabulary. Most of a
   tiny model would otherwise be its embedding table.
 

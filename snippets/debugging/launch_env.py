@@ -1,7 +1,7 @@
 """Print the environment a launcher gave each process, one column per rank.
 
     torchrun --nproc_per_node=2 snippets/debugging/launch_env.py
-    srun python snippets/debugging/launch_env.py        (under SLURM: shows SLURM_* too)
+    srun torchrun --nproc_per_node=2 snippets/debugging/launch_env.py   (SLURM_* beside torchrun's)
 
 Every rank joins a gloo process group and sends its variables to rank 0, which prints one table,
 so the output does not interleave.

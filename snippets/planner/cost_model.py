@@ -3,7 +3,7 @@
 The calculator page runs this same model in the browser: `snippets/planner/to_js.py` translates
 this file into JavaScript when the site is built. So the file keeps to a small subset of Python
 that has a direct JavaScript meaning: functions of dicts and numbers, arithmetic, `if`, `min`,
-`max`, `math.ceil`, f-strings and `raise PlannerError(...)`. The translator refuses anything else.
+`max`, `math.floor`, f-strings and `raise PlannerError(...)`. The translator refuses anything else.
 Optional plan and model keys are read with `option(...)`, so older plans keep working.
 
 Units: bytes, FLOPs, seconds. "Rank" and "GPU" mean the same thing here.
@@ -216,8 +216,8 @@ def moe_layers_per_stage(model, plan):
 def model_state_bytes(model, plan):
     """Model state held by the busiest rank. Tensor parallelism splits every matrix tp ways;
     pipeline parallelism gives each stage num_hidden_layers / pp layers, and the first stage
-    also holds the embedding (so it is the busiest; with MoE, counted as if all its blocks were
-    MoE). Expert parallelism gives each rank num_experts / ep of every MoE block's experts."""
+    is also charged the embedding and, when untied, the output head (so it is the busiest;
+    with MoE, counted as if all its blocks were MoE). Expert parallelism gives each rank num_experts / ep of every MoE block's experts."""
     layers = model["num_hidden_layers"] // plan["pp"]
     moe, ep = moe_layers_per_stage(model, plan), option(plan, "ep", 1)
     dense = (layers - moe) * parameters_per_layer(model) + embedding_parameters(model)

@@ -4,8 +4,9 @@
     python snippets/training/accelerate_devices.py --cpu                  # the CPU, even with a GPU
     python snippets/training/accelerate_devices.py --no-device-placement  # you move things yourself
 
-Accelerator() picks, in order: MPS (Apple silicon), CUDA, other accelerators, the CPU; under a
-multi-GPU launch each process takes the GPU numbered by its local rank (cuda:LOCAL_RANK).
+Accelerator() picks, in order: MPS (Apple silicon), then other accelerators (MLU, NPU, HPU, ...)
+before CUDA, then XPU and the rest, then the CPU; under a multi-GPU launch each process takes
+the GPU numbered by its local rank (cuda:LOCAL_RANK).
 """
 
 import argparse

@@ -4,7 +4,7 @@
   it writes a temporary file in the same directory, flushes and fsyncs it,
   and only then renames it into place with ``os.replace`` (atomic on POSIX
   and Windows when source and target are on the same filesystem).
-* Next to every ``ckpt-000020.pt`` sits ``ckpt-000020.pt.json`` with the
+* Next to every ``ckpt-00000020.pt`` sits ``ckpt-00000020.pt.json`` with the
   file's size and SHA-256, written (atomically too) *after* the checkpoint is
   in place: a crash in between leaves a good file with no checksum, which is
   then checked by loading it, never a good file with someone else's checksum.

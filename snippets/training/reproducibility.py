@@ -167,7 +167,8 @@ def demo_deterministic() -> dict:
         print(f"torch.empty(3) is all NaN: {empty_is_nan}")
         target = torch.zeros(3)
         try:
-            # Two values written to index 0: which one ends up there is unspecified.
+            # Two values written to index 0: which one ends up there is unspecified. Without
+            # accumulate=True, put_ raises in this mode whatever the indices: it could repeat.
             target.put_(torch.tensor([0, 0]), torch.tensor([1.0, 2.0]))
             error = ""
         except RuntimeError as err:

@@ -137,8 +137,9 @@ def check_pytorchjob(job: dict) -> None:
         pod = replica["template"]["spec"]
         names = [c["name"] for c in pod["containers"]]
         if "pytorch" not in names:
-            raise ManifestError(f"{where}: {role} has containers {names}; the operator sets "
-                                "the PET_* variables only in the one named 'pytorch'")
+            raise ManifestError(f"{where}: {role} has containers {names}; the operator's "
+                                "webhook rejects a replica without a container named 'pytorch' "
+                                "(it reads the master port from that one)")
         gpus = _gpus(pod["containers"][names.index("pytorch")])
         if job["spec"].get("nprocPerNode") != str(gpus):
             raise ManifestError(f"{where}: nprocPerNode {job['spec'].get('nprocPerNode')!r} "
