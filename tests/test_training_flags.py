@@ -110,3 +110,46 @@ def test_lesson_scripts_refuse_a_bad_number_in_one_line(module, argv, message, c
         importlib.import_module(module).main(argv)
     assert exit_.value.code == 2
     assert capsys.readouterr().err.split(": error: ", 1)[1] == message + "\n"
+
+
+MAIN_CASES = [
+    # (module, argv of its main(), the one line after "<prog>: error: ")
+    ("snippets.cluster.fake_multi_node_launcher", ["--master-port", "70000", "x.py"],
+     "argument --master-port: must be a port from 1 to 65535 (leave it out for a free one), "
+     "got 70000"),
+    ("snippets.cluster.fake_multi_node_launcher", ["--nnodes", "0", "x.py"],
+     "argument --nnodes: must be a whole number >= 1, got 0"),
+    ("snippets.debugging.slow_data", ["--steps", "1"],
+     "argument --steps: must be a whole number >= 2, got 1"),
+    ("snippets.cluster.hang_demo", ["--timeout", "0"],
+     "argument --timeout: must be a number > 0, got 0"),
+    ("snippets.debugging.out_of_memory", ["--config", "smal"],
+     "argument --config: unknown config 'smal'; use one of tiny, small, medium, gpt2-small or a "
+     "path to a .json file"),
+    ("snippets.cluster.multi_node_train", ["--lr", "0"],
+     "argument --lr: must be a number > 0, got 0"),
+    ("snippets.cluster.deepspeed.train_deepspeed", ["--steps", "0"],
+     "argument --steps: must be a whole number >= 1, got 0"),
+    ("snippets.training.train_tiny_transformer", ["--seed", "-1"],
+     "argument --seed: must be a whole number >= 0, got -1"),
+    ("snippets.training.read_logs", ["/no/such/run"],
+     "/no/such/run/metrics.jsonl not found: give the --out folder of a finished run"),
+]
+
+
+@pytest.mark.parametrize("module, argv, message", MAIN_CASES,
+                         ids=[f"{m.split('.')[-1]} {' '.join(a)}" for m, a, _ in MAIN_CASES])
+def test_bad_input_to_other_scripts_is_one_line(module, argv, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as exit_:
+        importlib.import_module(module).main(argv)
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.split(": error: ", 1)[1] == message + "\n"
+
+
+def test_a_reversed_exercise_range_is_refused_not_passed():
+    from snippets.exercises.__main__ import main
+
+    with pytest.raises(SystemExit, match="a range like 12-15, or 'all', not '15-12'"):
+        main(["check", "15-12"])

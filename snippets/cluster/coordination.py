@@ -27,7 +27,7 @@ from datetime import datetime, timedelta
 
 import torch.distributed as dist
 
-from snippets.dist import leave_process_group
+from snippets.dist import leave_process_group, read_launch_env
 from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
 
 
@@ -101,7 +101,8 @@ def main(argv=None) -> None:
                    help="these ranks never arrive")
     p.add_argument("--timeout", type=positive_float, default=60, help="seconds any wait may take")
     args = p.parse_args(argv)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    env = read_launch_env()  # a LaunchError naming what is missing, without a launcher
+    rank, world = env["rank"], env["world_size"]
     node_rank = int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
     wrong = [r for r in args.missing_ranks if not 0 < r < world]
     if wrong:  # rank 0 runs the monitored barrier, so it cannot be the missing one

@@ -41,7 +41,7 @@ def load_model(path: str, config_name: str = "tiny") -> tuple[GPT, dict]:
     state = load_checkpoint(path)  # checks the checksum, loads with weights_only=True
     model = GPT(GPTConfig(**state["config"]))
     model.load_state_dict(state["model"])
-    return model, {"step": state["step"], "world_size": state["world_size"]}
+    return model, {"step": state["step"], "world_size": state.get("world_size")}
 # --8<-- [end:load]
 
 
@@ -73,7 +73,13 @@ def main(argv=None) -> int:
         except CheckpointError as err:
             print(f"error: {err}", file=sys.stderr)
             return 1
-        print(f"{path}: step {r['step']}, trained by {r['world_size']} processes")
+        except KeyError as err:  # a file of another script: no model config, no step
+            print(f"error: {path} has no {err} entry: evaluate a checkpoint of "
+                  "multi_node_train.py or train_tiny_transformer.py", file=sys.stderr)
+            return 1
+        processes = (f"trained by {r['world_size']} processes" if r["world_size"]
+                     else "world size not recorded")
+        print(f"{path}: step {r['step']}, {processes}")
         print(f"validation: {r['val_tokens']:,} held-out tokens")
         print(f"  loss {r['val_loss']:.4f} (perplexity {r['perplexity']:.1f})")
         print(f"  untrained model {r['untrained_loss']:.4f}, "

@@ -217,15 +217,21 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--nnodes", type=int, default=2, help="how many simulated machines")
-    p.add_argument("--nproc-per-node", type=int, default=2, help="processes (GPUs) per machine")
-    p.add_argument("--node-rank", type=int,
+    from snippets.training.flags import Parser, checked, int_at_least
+
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--nnodes", type=int_at_least(1), default=2, help="how many simulated machines")
+    p.add_argument("--nproc-per-node", type=int_at_least(1), default=2,
+                   help="processes (GPUs) per machine")
+    p.add_argument("--node-rank", type=int_at_least(0),
                    default=int(os.environ["NODE_RANK"]) if "NODE_RANK" in os.environ else None,
                    help="start only this node's processes (default: $NODE_RANK, else all nodes)")
     p.add_argument("--master-addr", default="127.0.0.1")
-    p.add_argument("--master-port", type=int, default=None, help="default: a free port")
-    p.add_argument("--threads-per-rank", type=int, default=1, help="OMP_NUM_THREADS per process")
+    p.add_argument("--master-port", type=checked(int, lambda v: 1 <= v <= 65535, "a port from 1 "
+                   "to 65535 (leave it out for a free one)"), default=None,
+                   help="default: a free port")
+    p.add_argument("--threads-per-rank", type=int_at_least(1), default=1,
+                   help="OMP_NUM_THREADS per process")
     p.add_argument("--free-port", action="store_true",
                    help="print a TCP port that is free now, for --master-port, and exit")
     p.add_argument("script", nargs="?", help="a Python script, run as `python SCRIPT ARGS...`")

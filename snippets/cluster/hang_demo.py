@@ -61,11 +61,14 @@ def run_rank(rank: int, world_size: int, bug: str, wait_s: float) -> str:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    from snippets.training.flags import Parser, positive_float
+
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--bug", choices=BUGS, default="mismatch")
     p.add_argument("--debug", choices=("OFF", "INFO", "DETAIL"), default="DETAIL",
                    help="TORCH_DISTRIBUTED_DEBUG for the ranks")
-    p.add_argument("--timeout", type=float, default=5, help="the process group's timeout, s")
+    p.add_argument("--timeout", type=positive_float, default=5,
+                   help="the process group's timeout, s")
     args = p.parse_args(argv)
     # Read when the process group is created, so it must be set before the ranks start.
     os.environ["TORCH_DISTRIBUTED_DEBUG"] = args.debug

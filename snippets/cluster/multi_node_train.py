@@ -33,7 +33,7 @@ from snippets.dist import (LaunchError, StopSignal, collective_device, init_from
                            leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import RunExistsError, save_checkpoint
-from snippets.training.flags import int_at_least, positive_float
+from snippets.training.flags import Parser, int_at_least, positive_float
 
 VAL_FRACTION = 0.1  # the same split evaluate_checkpoint.py holds out
 
@@ -62,7 +62,7 @@ def describe_process(env: dict) -> dict:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--steps", type=positive_int, default=4)
     p.add_argument("--batch-size", type=positive_int, default=8,
                    help="sequences per rank per step")

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes, model_state_bytes
 from snippets.training.flags import Parser, int_at_least
 from snippets.training.precision_and_accumulation import median_seconds
@@ -73,6 +73,10 @@ def main(argv=None) -> None:
     parser.add_argument("--micro-batches", type=int_at_least(1), nargs="+", default=[8, 4, 2])
     parser.add_argument("--repeats", type=int_at_least(1), default=3)
     args = parser.parse_args(argv)
+    try:
+        get_config(args.config)
+    except ConfigError as err:
+        parser.error(f"argument --config: {err}")
     torch.set_num_threads(1)  # timings compare variants in one process; one thread is steadier
 
     print(f"{args.config} GPT, fp32 + AdamW, one rank: bytes for one training step")

@@ -65,13 +65,16 @@ def timed_training(num_workers: int, steps: int, batch_size: int = 8,
 # --8<-- [end:slow-loader]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--delay-ms", type=float, default=10.0)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--batch-size", type=int, default=8)
-    args = parser.parse_args()
+def main(argv=None) -> None:
+    from snippets.training.flags import Parser, float_at_least, int_at_least
+
+    parser = Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("--delay-ms", type=float_at_least(0), default=10.0)
+    parser.add_argument("--workers", type=int_at_least(0), nargs="+", default=[0, 2])
+    parser.add_argument("--steps", type=int_at_least(2), default=5,
+                        help="at least 2: step 1 pays for starting the workers and is left out")
+    parser.add_argument("--batch-size", type=int_at_least(1), default=8)
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)
     print(f"tiny GPT, batch {args.batch_size}, each example takes {args.delay_ms:g} ms to load")
     for workers in args.workers:

@@ -93,6 +93,8 @@ def cmd_check(args) -> int:
     try:
         first, _, last = args.exercise.partition("-")
         numbers = range(int(first), int(last or first) + 1)
+        if not numbers:  # 15-12: nothing to check would read as a pass
+            raise ValueError
     except ValueError:
         raise SystemExit(f"check takes an exercise number, a range like 12-15, or 'all', "
                          f"not {args.exercise!r}") from None

@@ -56,7 +56,7 @@ def parse_args(argv=None):
                    help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
     p.add_argument("--lr", type=positive_float, default=3e-3)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--log-dir", default="logs", help="each rank writes LOG_DIR/rank_N/train.log")
     p.add_argument("--ckpt", default="runs/ddp_simulation/ckpt.pt")
     p.add_argument("--ckpt-every", type=int_at_least(1), default=5)

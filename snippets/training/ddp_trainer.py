@@ -379,7 +379,7 @@ def build_parser(description: str, out: str) -> argparse.ArgumentParser:
     p.add_argument("--weight_decay", type=float_at_least(0), default=defaults.weight_decay)
     p.add_argument("--grad_clip", type=float_at_least(0), default=defaults.grad_clip,
                    help="max global gradient norm; 0 disables clipping")
-    p.add_argument("--seed", type=int, default=defaults.seed)
+    p.add_argument("--seed", type=int_at_least(0), default=defaults.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps", "cuda"])
     p.add_argument("--out", default=out, help="directory for the checkpoints")
     p.add_argument("--ckpt_every", type=int_at_least(0), default=100,

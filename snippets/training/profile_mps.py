@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="tiny", help="model config: tiny|small|medium|...")
     p.add_argument("--steps", type=int_at_least(1), default=3, help="steps to record")
     p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--wait-until-completed", action="store_true",
                    help="finish each operator on the GPU before encoding the next")
     return p.parse_args(argv)

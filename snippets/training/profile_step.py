@@ -279,7 +279,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "0 = PyTorch's own choice")
     p.add_argument("--adamw", default="default", choices=["default", "foreach", "fused"],
                    help="AdamW implementation; default lets PyTorch choose by device")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--row-limit", type=int_at_least(1), default=12, help="rows of the operator table")
     p.add_argument("--record-shapes", action="store_true",
                    help="record input shapes and group the table by them")

@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(description="Compare a run's metrics.jsonl, TensorBoard and W&B logs.")
     p.add_argument("run", help="the trainer's --out folder")
     run = Path(p.parse_args(argv).run)
+    if not (run / "metrics.jsonl").is_file():
+        p.error(f"{run}/metrics.jsonl not found: give the --out folder of a finished run")
     records = metrics_records(run)
     scalars = tensorboard_scalars(run)
     run_files = sorted((run / "wandb" / "latest-run").glob("run-*.wandb"))

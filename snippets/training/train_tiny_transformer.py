@@ -93,7 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float_at_least(0), default=0.1,
                    help="AdamW weight decay on weight matrices (not on norm gains)")
     p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
-    p.add_argument("--seed", type=int, default=1337,
+    p.add_argument("--seed", type=int_at_least(0), default=1337,
                    help="seeds model init, the data sampler and every RNG")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
                    help="auto picks cuda, then mps, then cpu")

@@ -169,7 +169,12 @@ def validate_file(path: str | Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    paths = (argv if argv is not None else sys.argv[1:]) or sorted(HERE.glob("*.yaml"))
+    from snippets.training.flags import Parser
+
+    p = Parser(description="Validate Kubernetes manifests against the Job and PyTorchJob "
+                           "schemas and the course's cross-checks.")
+    p.add_argument("paths", nargs="*", help=f"YAML files (default: every one in {HERE.name}/)")
+    paths = p.parse_args(argv).paths or sorted(HERE.glob("*.yaml"))
     status = 0
     for path in paths:
         try:
