@@ -135,6 +135,24 @@ def test_rms_norm_is_composite_on_the_cpu():
     assert y.grad_fn.name() == "MulBackward0"
 
 
+def test_bench_only_without_merge_refuses_to_drop_other_results(tmp_path, monkeypatch):
+    import json
+
+    from snippets.bench import __main__ as bench_main
+
+    (tmp_path / "quick_bench.py").write_text("def run():\n    return {'ran': True}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(bench_main, "BENCHMARKS", ["quick_bench"])
+    out = tmp_path / "bench.json"
+    out.write_text(json.dumps({"results": {"other": {"kept": 1}, "quick_bench": {}}}))
+    with pytest.raises(SystemExit, match="--only without --merge would drop other from"):
+        bench_main.main(["--only", "quick", "--out", str(out)])
+    assert json.loads(out.read_text())["results"]["other"] == {"kept": 1}
+    out.write_text(json.dumps({"results": {"quick_bench": {}}}))  # only its own: replaced
+    bench_main.main(["--only", "quick", "--out", str(out)])
+    assert json.loads(out.read_text())["results"] == {"quick_bench": {"ran": True}}
+
+
 def test_bench_merge_replaces_only_the_results_it_ran(tmp_path, monkeypatch):
     """`python -m snippets.bench --only fused --merge` adds this benchmark to a bench.json
     written elsewhere without discarding the other results or their machine record."""

@@ -29,6 +29,17 @@ def main(argv=None):
     names = [n for n in BENCHMARKS if not args.only or any(o in n for o in args.only)]
     if not names:
         raise SystemExit(f"--only {args.only} matches none of: {', '.join(BENCHMARKS)}")
+    if args.only and not args.merge and os.path.exists(args.out):
+        # A partial run must not wipe the other benchmarks' results from the file.
+        try:
+            with open(args.out) as f:
+                others = sorted(set(json.load(f).get("results", {}))
+                                - {name.rsplit(".", 1)[-1] for name in names})
+        except (OSError, ValueError, AttributeError):
+            others = ["(a file that is not a bench.json)"]
+        if others:
+            raise SystemExit(f"--only without --merge would drop {', '.join(others)} from "
+                             f"{args.out}: add --merge, or pass another --out")
     previous = None  # with --merge, the file to merge into, checked before anything runs
     if args.merge and os.path.exists(args.out):
         # Read before running: a file that cannot be merged into fails now, not after an hour.
