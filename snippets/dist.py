@@ -188,6 +188,21 @@ class StopSignal:
 # --8<-- [end:stop-signal]
 
 
+def init_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...],
+              timeout_s: float = DEFAULT_TIMEOUT_S):
+    """init_device_mesh with the course's timeout on every group it creates. Left alone, a mesh
+    dimension that spans less than the whole world gets a new group with torch's default
+    timeout (30 min under gloo, 10 under NCCL), whatever the default group was given."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    backend = dist.get_backend()
+    options = (dist.ProcessGroupNCCL.Options() if backend == "nccl"
+               else dist.ProcessGroupGloo._Options())
+    options._timeout = timedelta(seconds=timeout_s)
+    return init_device_mesh(device_type, shape, mesh_dim_names=names,
+                            backend_override={name: (backend, options) for name in names})
+
+
 # --8<-- [start:leave-process-group]
 def leave_process_group(timeout_s: float = 60.0) -> None:
     """End a job's process group with the rank that hosts the store leaving last.

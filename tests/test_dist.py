@@ -59,3 +59,25 @@ def test_missing_launcher_environment_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("MASTER_PORT", "29500")
     with pytest.raises(LaunchError, match=r"RANK=2 must be in \[0, WORLD_SIZE=2\)"):
         read_launch_env()
+
+
+def mesh_timeouts(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from snippets.dist import init_mesh
+
+    def timeouts(mesh):
+        # The gloo backend of each dimension's group, and the timeout it was created with.
+        return {name: mesh.get_group(name)._get_backend(torch.device("cpu")).options._timeout
+                .total_seconds() for name in mesh.mesh_dim_names}
+
+    return (timeouts(init_mesh("cpu", (2, 2), ("replicate", "shard"), timeout_s=7)),
+            timeouts(init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))))
+
+
+def test_every_group_of_a_mesh_gets_the_timeout():
+    """init_device_mesh alone gives a 2-D mesh's groups torch's default (30 min under gloo), not
+    the default group's 60 s: a rank that died would hang FSDP's HYBRID_SHARD for half an hour."""
+    for ours, plain in spawn(mesh_timeouts, 4, timeout_s=60):
+        assert ours == {"replicate": 7, "shard": 7}
+        assert plain == {"replicate": 1800, "shard": 1800}

@@ -40,11 +40,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from snippets.data.corpus import DataError
-from snippets.dist import leave_process_group
+from snippets.dist import init_mesh, leave_process_group
 from snippets.machine import DeviceError
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
@@ -127,9 +127,8 @@ class FSDPTrainer(DistributedTrainer):
         (r+1)*shards - 1 shard one copy, and the same position in every group holds the same
         shard (its replicas)."""
         if replicas == 1:
-            return init_device_mesh(self.device.type, (shards,), mesh_dim_names=("shard",))
-        return init_device_mesh(self.device.type, (replicas, shards),
-                                mesh_dim_names=("replicate", "shard"))
+            return init_mesh(self.device.type, (shards,), ("shard",))
+        return init_mesh(self.device.type, (replicas, shards), ("replicate", "shard"))
 
     # --8<-- [start:sharding-strategy]
     def _get_sharding_strategy(self) -> dict:
