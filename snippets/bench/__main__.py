@@ -6,7 +6,6 @@ machine stay those of the run that wrote it; each merged result is listed under 
 own date, and a benchmark whose results may come from another machine records machine_info()
 inside them."""
 
-import argparse
 import datetime
 import importlib
 import json
@@ -15,10 +14,11 @@ import time
 
 from snippets.bench import BENCHMARKS
 from snippets.machine import machine_info
+from snippets.training.flags import Parser
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = Parser(description=__doc__)
     parser.add_argument("--out", default="bench.json", help="where to write the results")
     parser.add_argument("--only", action="append", default=[],
                         help="run only benchmarks whose module name contains this (repeatable)")

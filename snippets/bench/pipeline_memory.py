@@ -18,7 +18,6 @@ many micro-batches a stage holds at once.
     python -m snippets.bench.pipeline_memory --svg out.svg   # and the plot on the pipeline page
 """
 
-import argparse
 import weakref
 
 import torch
@@ -28,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config
 from snippets.scratch.pipeline import SCHEDULES, pipeline_train_step, split_into_stages
+from snippets.training.flags import Parser
 
 STAGES, MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 2, (2, 4, 8, 16), 2, 16
 
@@ -133,7 +133,7 @@ def plot_svg(peaks: list, path) -> None:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--svg", help="also write the plot to this file")
     args = parser.parse_args(argv)
     peaks = measure()

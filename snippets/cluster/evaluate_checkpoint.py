@@ -26,6 +26,7 @@ from snippets.data.dataset import load_tokens, train_val_split
 from snippets.models.gpt import GPT, GPTConfig, get_config
 from snippets.training.checkpoint import CheckpointError, load_checkpoint
 from snippets.training.train_tiny_transformer import evaluate
+from snippets.training.flags import Parser
 
 
 # --8<-- [start:load]
@@ -61,7 +62,7 @@ def evaluate_checkpoint(path: str, config_name: str = "tiny", batch_size: int = 
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("checkpoints", nargs="*", default=["runs/session-c/ckpt.pt"],
                    help="checkpoint files, or directories of ranked checkpoint files")
     p.add_argument("--config", default="tiny", help="model config of a ranked checkpoint")

@@ -11,13 +11,13 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
 
 from snippets.exercises import catalog
 from snippets.exercises.stubs import write_stubs
+from snippets.training.flags import Parser
 
 DEFAULT_WORKSPACE = "workspace"
 
@@ -113,7 +113,7 @@ def _report(r) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m snippets.exercises",
+    parser = Parser(prog="python -m snippets.exercises",
                                      description="The learning guide's exercises: stubs, hints "
                                                  "and checks.")
     sub = parser.add_subparsers(dest="command", required=True)

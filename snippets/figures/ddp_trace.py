@@ -25,7 +25,6 @@ step at least one starts before.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 from unittest import mock
@@ -38,6 +37,7 @@ import snippets.scratch.ddp as scratch_ddp
 from snippets.dist import spawn
 from snippets.figures import svg
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.training.flags import Parser
 
 NAME = "ddp-trace"
 RECORD = svg.OUT_DIR / f"{NAME}.json"
@@ -249,7 +249,7 @@ def render(record: dict | None = None) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true",
                         help=f"also write this run's record and docs/assets/figures/{NAME}.svg")
     args = parser.parse_args(argv)

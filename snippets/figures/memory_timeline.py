@@ -17,7 +17,6 @@ for byte with the committed SVG.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -26,6 +25,7 @@ import torch
 from snippets.bench.pipeline_memory import LiveTensorMemory
 from snippets.figures import svg
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.training.flags import Parser
 
 NAME = "memory-timeline"
 CONFIG, BATCH_SIZE = "tiny", 8  # sequences of the config's full context
@@ -203,7 +203,7 @@ def render() -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--write", action="store_true",
                         help=f"also write docs/assets/figures/{NAME}.svg")
     args = parser.parse_args(argv)

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from snippets.dist import init_from_env, leave_process_group
+from snippets.training.flags import Parser
 
 
 def starting_tensor(rank: int, world: int) -> torch.Tensor:
@@ -79,7 +80,7 @@ def report(collective, rank: int, world: int) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--only", choices=[c.__name__ for c in COLLECTIVES],
                    help="run one collective instead of all five")
     args = p.parse_args(argv)

@@ -7,7 +7,6 @@ The order of events on a rank is fixed by the program; the times are not (they d
 machine and its load), so only the first form prints the same thing on every run.
 """
 
-import argparse
 import statistics
 import time
 
@@ -17,6 +16,7 @@ from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, RMSNorm, get_config, shift_for_next_token
 from snippets.scratch.fsdp import FSDP, MixedPrecision
+from snippets.training.flags import Parser
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 32
 SHOWN = ["embed_tokens.weight", "norm.weight", "layers.0.input_layernorm.weight",
@@ -78,6 +78,6 @@ def main(times: bool, world_size: int = 2):
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--times", action="store_true", help="print when each event happened")
     main(parser.parse_args().times)

@@ -10,6 +10,7 @@ the GPU numbered by its local rank (cuda:LOCAL_RANK).
 """
 
 import argparse
+from snippets.training.flags import Parser
 
 import torch
 from accelerate import Accelerator
@@ -31,7 +32,7 @@ def show_placement(accelerator: Accelerator) -> None:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--cpu", action="store_true", help="Accelerator(cpu=True)")
     p.add_argument("--no-device-placement", action="store_true",
                    help="Accelerator(device_placement=False): prepare moves nothing")

@@ -16,7 +16,6 @@ Checkpoints are read with the verified, weights-only loader the trainer uses.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -28,6 +27,7 @@ from snippets.data.dataset import load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
 from snippets.models.gpt import GPT, GPTConfig, apply_rotary_pos_emb
 from snippets.training.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
+from snippets.training.flags import Parser
 
 
 # --8<-- [start:weight-norms]
@@ -207,7 +207,7 @@ def plot_attention(maps: torch.Tensor, text: str, step: int, png_path: Path) -> 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("run_dir", type=Path, help="a run directory written by the trainer (--out)")
     p.add_argument("--out", type=Path, default=None,
                    help="where to save the two PNGs (default: the run directory)")
