@@ -390,3 +390,17 @@ def test_command_line_writes_step_numbered_dcp_checkpoints_and_skips_a_damaged_o
         "ckpt-00000001.dcp", "ckpt-00000002.dcp", "latest"]
     assert (out / "ckpt-00000002.dcp" / ".metadata").is_file()
     assert (out / "latest").read_text() == "ckpt-00000002.dcp\n"
+
+
+def test_one_process_run_ends_cleanly_without_a_launcher(tmp_path, monkeypatch):
+    """`python snippets/training/fsdp_trainer.py` makes a process group of one for the mesh; it
+    used to end with leave_process_group's LaunchError (exit 2) after training."""
+    import torch.distributed as dist
+
+    from snippets.training import fsdp_trainer
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert fsdp_trainer.main(["--model_size", "tiny", "--max_steps", "1",
+                              "--out", str(tmp_path / "run")]) in (0, None)
+    assert not dist.is_initialized()

@@ -407,7 +407,10 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"embed_tokens.weight: {type(weight).__name__} {tuple(weight.shape)}, "
                 f"placements {weight.placements}, local piece {tuple(weight.to_local().shape)}")
     code = train(trainer, args, save)
-    leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
+    if trainer.world_size > 1:
+        leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
+    else:
+        dist.destroy_process_group()  # the group of one this process made for the mesh
     return code
 # --8<-- [end:main]
 
