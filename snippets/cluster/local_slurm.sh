@@ -21,6 +21,7 @@ set -euo pipefail
 export PATH=$PATH:/usr/sbin:/sbin  # where Debian puts slurmctld, slurmd and munged
 
 STATE=${LOCAL_SLURM_DIR:-/tmp/course-slurm-$(id -un)}
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 CONF=$STATE/slurm.conf
 MUNGE_SOCKET=$STATE/munge/munge.socket
 CTLD_PORT=${LOCAL_SLURM_CTLD_PORT:-16817}
@@ -55,9 +56,13 @@ write_config() {
         dd if=/dev/urandom of="$STATE/munge/munge.key" bs=1024 count=1 status=none
         chmod 400 "$STATE/munge/munge.key"
     fi
-    local user controller
+    local user controller last_job
     user=$(id -un)
     controller=$(hostname -s)
+    # The course's batch scripts write runs/slurm/<job id>/ under the repository, and `start`
+    # clears the job state, so a new cluster would number from 1 again: go on from the
+    # highest id already there (a real cluster never reuses an id either).
+    last_job=$(ls "$REPO/runs/slurm" 2>/dev/null | grep -Ex '[0-9]+' | sort -n | tail -n 1 || true)
     # --8<-- [start:slurm-conf]
     cat >"$CONF" <<EOF
 ClusterName=course
@@ -86,6 +91,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SlurmdParameters=config_overrides
 ReturnToService=2
+# Job ids go on from the highest runs/slurm/<id> of the repository: never one used before.
+FirstJobId=$(( ${last_job:-0} + 1 ))
 # No slurmdbd database, so no sacct: finished jobs are listed in a plain-text log instead
 # (and scontrol show job keeps them for MinJobAge seconds).
 AccountingStorageType=accounting_storage/none
@@ -116,7 +123,7 @@ start() {
     if running "$STATE/run/slurmctld.pid"; then
         log "already running (state in $STATE)"
     else
-        rm -rf "$STATE/ctld" "$STATE/log" "$STATE/spool"  # a fresh cluster: job ids from 1
+        rm -rf "$STATE/ctld" "$STATE/log" "$STATE/spool"  # a fresh cluster (ids: FirstJobId)
         write_config
         export SLURM_CONF=$CONF
         # --8<-- [start:daemons]
