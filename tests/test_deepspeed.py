@@ -13,7 +13,7 @@ from snippets.cluster.deepspeed.memory_estimates import (SEVEN_B, count_params,
                                                          deepspeed_estimator_bytes,
                                                          zero_paper_bytes)
 from snippets.cluster.deepspeed.train_deepspeed import (STAGES, global_batches, load_ds_config,
-                                                        train)
+                                                        train, zero_groups_with_timeout)
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 
@@ -48,6 +48,17 @@ def deepspeed_worker(rank, world_size, checkpoint_dir):
 # --8<-- [end:worker]
 
 
+def worker_with_a_timeout(rank, world_size, checkpoint_dir):
+    """The worker, with ZeRO's group made first with a timeout, as train_deepspeed's main does
+    with --timeout; also returns the timeout the group that ZeRO used really has."""
+    from deepspeed.utils import groups
+
+    zero_groups_with_timeout(7)
+    results = deepspeed_worker(rank, world_size, checkpoint_dir)
+    backend = groups._get_data_parallel_group()._get_backend(torch.device("cpu"))
+    return {**results, "zero group timeout": backend.options._timeout.total_seconds()}
+
+
 # --8<-- [start:reference]
 def single_process_reference():
     """Plain PyTorch on the whole global batch, with the configs' optimizer and clipping."""
@@ -74,7 +85,8 @@ def single_process_reference():
 @needs_compiler
 def test_zero_stages_match_single_process_and_checkpoint_consolidates(tmp_path):
     ref_losses, ref_weights = single_process_reference()
-    ranks = spawn(deepspeed_worker, 2, str(tmp_path), timeout_s=120)
+    ranks = spawn(worker_with_a_timeout, 2, str(tmp_path), timeout_s=120)
+    assert [r["zero group timeout"] for r in ranks] == [7, 7]  # not torch's 30-minute default
     total = sum(p.numel() for p in ref_weights.values())
     for name in STAGES:
         got = ranks[0][name]

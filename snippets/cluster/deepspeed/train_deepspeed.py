@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -65,6 +66,21 @@ def use_jit_cache() -> None:
     here = str(Path(sys.executable).parent)
     if os.environ.get("PATH", "").split(os.pathsep)[0] != here:
         os.environ["PATH"] = here + os.pathsep + os.environ.get("PATH", "")
+
+
+def zero_groups_with_timeout(timeout_s: float) -> None:
+    """Give ZeRO's collectives a timeout. DeepSpeed runs them on its own copy of the world group,
+    which it creates without one (`_clone_world_group` in deepspeed/utils/groups.py): torch's
+    default, 30 minutes under gloo, whatever the default group was given. Made here first, with
+    the timeout, the copy is used as it is."""
+    use_jit_cache()
+    from deepspeed.utils import groups
+
+    if groups._WORLD_GROUP is None:
+        groups._WORLD_GROUP = dist.new_group(ranks=list(range(dist.get_world_size())),
+                                             timeout=timedelta(seconds=timeout_s))
+
+
 STAGES = ("zero1", "zero2", "zero3", "zero3_offload")
 
 
@@ -172,6 +188,7 @@ def main(argv=None) -> None:
                              "--save-dir to keep it, or --overwrite to replace it")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     env = init_from_env(backend, timeout_s=args.timeout)
+    zero_groups_with_timeout(args.timeout)
     log = print if env["rank"] == 0 else (lambda *a: None)
     engine, losses = train(ds_config, args.steps, args.context, log=log)
     if tag_dir:
