@@ -174,3 +174,17 @@ def assert_no_workers_left(marker: str) -> None:
             left.append(f"{pid}: {cmdline}")
             os.kill(int(pid), signal.SIGKILL)
     assert not left, f"processes left after the job ended: {left}"
+
+
+def test_start_refuses_a_state_folder_it_did_not_write(tmp_path):
+    """`start` clears its own job state (ctld/, log/, spool/) in LOCAL_SLURM_DIR: a folder that
+    holds anything else is refused, and nothing in it is touched."""
+    if shutil.which("slurmctld") is None:
+        unavailable("slurmctld is not installed")
+    (tmp_path / "log").mkdir()
+    (tmp_path / "log" / "mine.txt").write_text("the learner's")
+    result = subprocess.run(["bash", str(SCRIPT), "start"], capture_output=True, text=True,
+                            env={**os.environ, "LOCAL_SLURM_DIR": str(tmp_path)}, timeout=120)
+    assert result.returncode == 1
+    assert f"error: {tmp_path} holds files this script did not write" in result.stderr
+    assert (tmp_path / "log" / "mine.txt").read_text() == "the learner's"

@@ -123,6 +123,11 @@ start() {
     if running "$STATE/run/slurmctld.pid"; then
         log "already running (state in $STATE)"
     else
+        if [ -d "$STATE" ] && [ -n "$(ls -A "$STATE")" ] && [ ! -e "$CONF" ]; then
+            log "error: $STATE holds files this script did not write; set LOCAL_SLURM_DIR to" \
+                "an empty or new folder"
+            return 1
+        fi
         rm -rf "$STATE/ctld" "$STATE/log" "$STATE/spool"  # a fresh cluster (ids: FirstJobId)
         write_config
         export SLURM_CONF=$CONF
