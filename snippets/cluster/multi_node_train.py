@@ -28,7 +28,8 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
-from snippets.cluster.ranked_checkpoint import FILE_PATTERN, adam_groups, save_shard
+from snippets.cluster.ranked_checkpoint import (adam_groups, rank_files, remove_rank_files,
+                                                save_shard)
 from snippets.dist import (LaunchError, StopSignal, collective_device, init_from_env,
                            leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
@@ -79,11 +80,6 @@ def parse_args(argv=None):
     if not args.timeout > 0:
         p.error(f"--timeout {args.timeout:g}: must be more than 0 seconds")
     return args
-
-
-def rank_files(directory: str | None) -> list[Path]:
-    return sorted(p for p in Path(directory).iterdir() if FILE_PATTERN.match(p.name)) \
-        if directory and os.path.isdir(directory) else []
 
 
 def earlier_outputs(args) -> list[Path]:
@@ -166,9 +162,7 @@ def main(argv=None) -> None:
     # --8<-- [start:ranked]
     if args.ranked_dir:  # every rank writes its slice, in parallel: rank_0000R-of-0000N.pt
         if rank == 0:  # --overwrite: an earlier run's rank files go first, whatever its size
-            for old in rank_files(args.ranked_dir):
-                old.unlink()
-                old.with_name(old.name + ".json").unlink(missing_ok=True)  # its checksum
+            remove_rank_files(args.ranked_dir)
         dist.barrier()
         path = save_shard(args.ranked_dir, step, rank, world,
                           adam_groups(model.module, optimizer))

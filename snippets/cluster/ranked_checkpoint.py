@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, RunExistsError,
-                                          load_checkpoint, save_checkpoint)
+                                          _sidecar, load_checkpoint, save_checkpoint)
 from snippets.training.flags import Parser, int_at_least
 
 FILE_PATTERN = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
@@ -88,11 +88,24 @@ def save_shard(directory: str | Path, step: int, rank: int, world_size: int,
 # --8<-- [end:save]
 
 
+def rank_files(directory: str | Path | None) -> list[Path]:
+    """The rank files in `directory`, of any world size (none if there is no such folder)."""
+    if directory is None or not Path(directory).is_dir():
+        return []
+    return sorted(p for p in Path(directory).iterdir() if FILE_PATTERN.match(p.name))
+
+
+def remove_rank_files(directory: str | Path) -> None:
+    """Delete an earlier save's rank files and their checksums (what --overwrite replaces)."""
+    for path in rank_files(directory):
+        path.unlink()
+        _sidecar(path).unlink(missing_ok=True)
+
+
 def saved_world_size(directory: str | Path) -> int:
     """The world size the checkpoint in `directory` was saved with, from its file names."""
     directory = Path(directory)
-    sizes = {int(m.group(2)) for p in (directory.iterdir() if directory.is_dir() else [])
-             if (m := FILE_PATTERN.match(p.name))}
+    sizes = {int(FILE_PATTERN.match(p.name).group(2)) for p in rank_files(directory)}
     if not sizes:
         raise NoCheckpointError(f"{directory}: no ranked checkpoint files (rank_NNNNN-of-NNNNN.pt)")
     if len(sizes) > 1:
@@ -238,17 +251,14 @@ def main(argv=None) -> None:
 
 
 def _run(args) -> None:
-
     if args.command == "save":
         from snippets.dist import spawn
 
-        earlier = sorted(p for p in Path(args.directory).glob("rank_*-of-*.pt*")
-                         if FILE_PATTERN.match(p.name.removesuffix(".json")))
+        earlier = rank_files(args.directory)
         if earlier and not args.overwrite:
             raise RunExistsError(f"{args.directory} holds an earlier save ({earlier[0].name}, ...): "
                                  "pass another directory to keep it, or --overwrite to replace it")
-        for old in earlier:  # all of them first: files of two world sizes never mix
-            old.unlink()
+        remove_rank_files(args.directory)  # all first: files of two world sizes never mix
         for path in spawn(_demo_save, args.world_size, args.directory, args.step, timeout_s=120):
             print(f"wrote {path}")
     elif args.command == "inspect":
