@@ -113,6 +113,9 @@ def test_the_trap_trains_two_copies_of_a_one_process_run():
     batches = first_batches(out)
     assert len(batches) == 3 and batches[0] == batches[1] == batches[2]  # nothing is sharded
     assert out.count("not saving") == 2  # both copies are "the main process"
+    # ... so neither touches the state the page's first launch saved (both once deleted it,
+    # racing: one of them died of FileNotFoundError).
+    assert out.endswith("model.safetensors\noptimizer.bin\nrandom_states_0.pkl\nrandom_states_1.pkl")
     # Each copy ends exactly where a single process ends, and nowhere near the real 2-process run
     # of the same 5 steps: the second process added nothing but a duplicate.
     single, copy0, copy1 = final_checksums(out)

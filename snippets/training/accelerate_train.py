@@ -157,7 +157,9 @@ def main(argv=None) -> None:
     batches_before = len(loader)
 
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    if accelerator.is_main_process:  # --overwrite: the old state goes before the new is saved
+    # --overwrite: the old state goes before the new is saved. Independent copies save nothing,
+    # so they delete nothing (and every one of them is "the main process").
+    if accelerator.is_main_process and not independent_copies:
         for path in saved_state(args.state_dir):
             path.unlink()
 
