@@ -44,8 +44,10 @@ before this package. A variable the reader set already is kept, and COURSE_NATIV
 too: the course's scripts that print exact numbers run one thread.
 """
 
+import io
 import os
 import platform
+import sys
 
 
 def _has_avx2() -> bool:
@@ -60,3 +62,15 @@ if (os.environ.get("COURSE_NATIVE_KERNELS") != "1"
         and platform.machine() in ("x86_64", "AMD64") and _has_avx2()):
     os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2")
     os.environ.setdefault("MKL_CBWR", "AVX2")
+
+
+# Each printed line goes out in one write. Ranks started by one launcher share its terminal or
+# log file, and a line written in pieces merges with another rank's: print() writes the text and
+# its newline separately, which under PYTHONUNBUFFERED=1 (set by the course's launcher, its
+# Dockerfile and the page tests) are two system calls, and a block-buffered stdout (into a file
+# or a pipe) is cut every 8 KB, mid-line. Line buffering keeps the text until its newline, then
+# writes it whole. Only the interpreter's own streams change, not one that a notebook or pytest
+# has put in their place.
+for _stream in (sys.stdout, sys.stderr):
+    if _stream in (sys.__stdout__, sys.__stderr__) and isinstance(_stream, io.TextIOWrapper):
+        _stream.reconfigure(line_buffering=True, write_through=False)

@@ -131,19 +131,9 @@ def connect_store(env: dict, timeout_s: float) -> dist.TCPStore:
     return store
 
 
-def print_line(text: str, file=None) -> None:
-    """Write one line to stderr (or `file`) in a single write. print() writes the text and its
-    newline separately; with PYTHONUNBUFFERED=1 (set by the course's launcher, its Dockerfile
-    and the page tests) those are two system calls, and ranks sharing one log file interleave
-    between them: two error lines come out as one, the newlines after it."""
-    file = file or sys.stderr
-    file.write(text + "\n")
-    file.flush()
-
-
 def _exit_with(message: str) -> None:
     """End this process from a watchdog thread: the main thread is stuck inside C++."""
-    print_line(f"error: {message}")
+    print(f"error: {message}", file=sys.stderr, flush=True)
     os._exit(1)
 # --8<-- [end:connect-store]
 
@@ -163,7 +153,8 @@ def run_main(main, *args) -> None:
     try:
         status = main(*args)
     except Exception as err:  # Ctrl-C (KeyboardInterrupt) and sys.exit() pass through
-        print_line(f"error: rank {os.environ.get('RANK', '?')}: {type(err).__name__}: {err}")
+        print(f"error: rank {os.environ.get('RANK', '?')}: {type(err).__name__}: {err}",
+              file=sys.stderr, flush=True)
         ErrorHandler().record_exception(err)  # writes the file only if torchrun named one
         status = 2 if isinstance(err, LaunchError) else 1
     sys.exit(status)  # main's return value, if it returns one; None is 0

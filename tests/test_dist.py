@@ -82,33 +82,3 @@ def test_every_group_of_a_mesh_gets_the_timeout():
         assert ours == {"replicate": 7, "shard": 7}
         assert plain == {"replicate": 1800, "shard": 1800}
 
-
-class WriteRecorder:
-    """An unbuffered stderr (PYTHONUNBUFFERED=1): every write() is one system call, so text
-    written by two ranks into one log interleaves between write() calls, never inside one."""
-
-    def __init__(self):
-        self.writes = []
-
-    def write(self, text):
-        self.writes.append(text)
-
-    def flush(self):
-        pass
-
-
-def test_a_ranks_error_line_is_one_write(monkeypatch):
-    """accelerate.md's trap block once read two ranks' error lines run together on one line, the
-    newlines after them: print() writes a line and its newline in two calls."""
-    from snippets import dist as dist_module
-
-    def main():
-        raise ValueError("boom")
-
-    recorder = WriteRecorder()
-    monkeypatch.setattr("sys.stderr", recorder)
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
-    with pytest.raises(SystemExit):
-        dist_module.run_main(main)
-    assert recorder.writes == ["error: rank 1: ValueError: boom\n"]

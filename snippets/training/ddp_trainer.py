@@ -23,6 +23,7 @@ import argparse
 import contextlib
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.dist import default_backend, init_from_env, print_line, run_main
+from snippets.dist import default_backend, init_from_env, run_main
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
@@ -475,7 +476,7 @@ def main(argv: list[str] | None = None) -> int:
         # DDP seam: under torchrun each process then takes cuda:LOCAL_RANK (see __init__).
         device, device_note = pick_trainer_device(args.device)
     except (ValueError, RuntimeError) as err:
-        print_line(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
     # Step-numbered files, a `latest` pointer, the newest keep_last of this run's (checkpoint.py).
     manager = CheckpointManager(args.out, keep_last=args.keep_last)
@@ -484,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = DistributedTrainer(get_config(args.model_size), train_config, device)
         resume_or_start(trainer, manager, args, load=trainer.load_checkpoint)
     except (ConfigError, DataError, CheckpointError) as err:
-        print_line(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
     tc = trainer.train_config
@@ -512,8 +513,8 @@ def train(trainer, args: argparse.Namespace, save) -> int:
         seconds = time.perf_counter() - t0
         losses.append(stats["loss"])
         if not math.isfinite(stats["loss"]):
-            print_line(f"error: loss is {stats['loss']} at step {trainer.step}; "
-                       f"try a lower --lr (now {tc.lr})")
+            print(f"error: loss is {stats['loss']} at step {trainer.step}; "
+                  f"try a lower --lr (now {tc.lr})", file=sys.stderr)
             return 1
         if trainer.step % args.log_every == 0 or trainer.step == 1:
             trainer.log(f"step {trainer.step:5d}/{tc.max_steps} | loss {stats['loss']:.4f} | "

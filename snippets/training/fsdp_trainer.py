@@ -25,6 +25,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import sys
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -43,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from snippets.data.corpus import DataError
-from snippets.dist import init_mesh, leave_process_group, print_line
+from snippets.dist import init_mesh, leave_process_group
 from snippets.machine import DeviceError
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
@@ -386,7 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         load = trainer.load_sharded_checkpoint if sharded else trainer.load_checkpoint
         resume_or_start(trainer, manager, args, load)
     except (ConfigError, DataError, CheckpointError, DeviceError) as err:
-        print_line(f"error: {err}")
+        print(f"error: {err}", file=sys.stderr)
         return 2
 
     def save():
