@@ -183,23 +183,27 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
     print(f"launcher: {nnodes} node(s) x {nproc_per_node} process(es), world size "
           f"{nnodes * nproc_per_node}, rendezvous at {master_addr}:{master_port}, starting "
           f"node(s) {node_ranks}", flush=True)
+    # kill or Ctrl-C, or the terminal closing: take every worker down with us. The handlers go
+    # in before the first worker starts: a SIGTERM that came after the workers had started but
+    # before the handlers would have killed the launcher alone (its workers then die with it,
+    # by _die_with_parent, but unannounced).
+    for sig in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, _interrupt)
     workers = start_workers(command, nnodes, nproc_per_node, node_ranks, master_addr,
                             master_port, threads_per_rank)
     lock = threading.Lock()
     readers = [threading.Thread(target=_follow, args=(w, lock)) for w in workers]
-    for t in readers:
-        t.start()
-    # kill or Ctrl-C, or the terminal closing: take every worker down with us
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, _interrupt)
     try:
+        for t in readers:
+            t.start()
         failed = wait_for_workers(workers)
     except KeyboardInterrupt:
         _signal_running(workers, signal.SIGKILL)
         raise
     finally:
         for t in readers:
-            t.join()
+            if t.ident is not None:  # started: it ends when its worker's output does
+                t.join()
     print("launcher: node  local_rank  rank  status")
     for w in workers:
         print(f"launcher: {w.node_rank:4d}  {w.local_rank:10d}  {w.rank:4d}  {_status(w)}")
