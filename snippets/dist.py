@@ -304,6 +304,10 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, threads, results, ar
     except BaseException:  # report everything, KeyboardInterrupt and SystemExit included
         results.put((rank, False, traceback.format_exc()))
     finally:
+        # put() hands the result to a feeder thread: see it into the pipe before a teardown
+        # that could end this process, or a peer's knock-on error could be read first.
+        results.close()
+        results.join_thread()
         if dist.is_initialized():
             dist.destroy_process_group()
 # --8<-- [end:spawn]

@@ -62,7 +62,7 @@ def browser_page(site_url):
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         context = browser.new_context(viewport={"width": 1280, "height": 900})
-        context.set_default_timeout(20_000)
+        context.set_default_timeout(60_000)  # a loaded 2-core machine: the search index alone took 4 s
 
         def record(route, request):
             requests.append(request.url)

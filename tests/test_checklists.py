@@ -20,7 +20,7 @@ def page(site_url):  # noqa: F811
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
         context = browser.new_context()
-        context.set_default_timeout(20_000)
+        context.set_default_timeout(60_000)  # generous: a loaded 2-core machine
         page = context.new_page()
         errors = []
         page.on("pageerror", lambda e: errors.append(str(e)))

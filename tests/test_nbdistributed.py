@@ -38,7 +38,8 @@ def test_the_notebook_runs_every_cell_on_two_workers_and_stops_them():
     from nbclient import NotebookClient
 
     notebook = jupytext.read(NOTEBOOK)
-    client = NotebookClient(notebook, timeout=60, kernel_name="python3",
+    # Per cell: %dist_init's own wait for the workers (60 s) must run out first, with its message
+    client = NotebookClient(notebook, timeout=180, kernel_name="python3",
                             resources={"metadata": {"path": str(ROOT)}})
     workers = []
     with client.setup_kernel():

@@ -44,8 +44,12 @@ def join(rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
     shows the store that it otherwise hides.
     """
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    # Rank 0 listens; everyone else connects, retrying until rank 0 is up or the timeout ends.
-    store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=timeout)
+    # Rank 0 listens and waits until all the others have connected; they retry until rank 0 is
+    # up. Start-up gets at least a minute, whatever `timeout` says: processes that import torch
+    # on a busy machine arrive seconds apart, and a short timeout is meant for the waits below.
+    startup = max(timeout, timedelta(seconds=60))
+    store = dist.TCPStore(addr, port, world_size, is_master=(rank == 0), timeout=startup)
+    store.set_timeout(timeout)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timeout)
     return store
