@@ -16,6 +16,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
@@ -254,8 +255,9 @@ def spawn(fn, world_size: int, *args, backend: str = "gloo", timeout_s: float = 
     # server has imported them already.
     ctx.set_forkserver_preload(["torch", "torch.distributed",
                                 "torch.fx.experimental.symbolic_shapes", "torch._dynamo"])
+    forkserver.ensure_running()  # its seconds of imports come before the port is chosen
     results = ctx.Queue()
-    port = free_port()
+    port = free_port()  # free now; rank 0 binds it a moment later
     procs = [
         ctx.Process(target=_worker, daemon=True,
                     args=(fn, rank, world_size, port, backend, timeout_s, threads_per_rank,

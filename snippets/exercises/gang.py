@@ -31,6 +31,7 @@ import tempfile
 import time
 import traceback
 from datetime import timedelta
+from multiprocessing import forkserver
 from pathlib import Path
 from types import ModuleType
 
@@ -122,6 +123,7 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
                                 "snippets.exercises.checks_parallel",
                                 "snippets.exercises.checks_zero_moe",
                                 "snippets.exercises.checks_sp_3d"])
+    forkserver.ensure_running()  # its seconds of imports come before the port is chosen
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
