@@ -101,17 +101,6 @@ SCRIPTS = [
 ]
 
 
-@pytest.mark.parametrize("module, argv, message", SCRIPTS,
-                         ids=[f"{m.split('.')[-1]} {' '.join(a)}" for m, a, _ in SCRIPTS])
-def test_lesson_scripts_refuse_a_bad_number_in_one_line(module, argv, message, capsys):
-    import importlib
-
-    with pytest.raises(SystemExit) as exit_:
-        importlib.import_module(module).main(argv)
-    assert exit_.value.code == 2
-    assert capsys.readouterr().err.split(": error: ", 1)[1] == message + "\n"
-
-
 MAIN_CASES = [
     # (module, argv of its main(), the one line after "<prog>: error: ")
     ("snippets.cluster.fake_multi_node_launcher", ["--master-port", "70000", "x.py"],
@@ -137,9 +126,9 @@ MAIN_CASES = [
 ]
 
 
-@pytest.mark.parametrize("module, argv, message", MAIN_CASES,
-                         ids=[f"{m.split('.')[-1]} {' '.join(a)}" for m, a, _ in MAIN_CASES])
-def test_bad_input_to_other_scripts_is_one_line(module, argv, message, capsys):
+@pytest.mark.parametrize("module, argv, message", SCRIPTS + MAIN_CASES,
+                         ids=[f"{m.split('.')[-1]} {' '.join(a)}" for m, a, _ in SCRIPTS + MAIN_CASES])
+def test_bad_input_is_refused_in_one_line(module, argv, message, capsys):
     import importlib
 
     with pytest.raises(SystemExit) as exit_:
