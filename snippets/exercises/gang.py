@@ -141,7 +141,16 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
                        for f, d, p in zip(results, dumps, procs))
                and time.monotonic() < deadline):
             time.sleep(0.02)
-        time.sleep(0.2)  # a rank writing its stack or its result: let the file be complete
+        # Results arrive whole (written, then renamed). A stuck rank may still be writing its
+        # stack (faulthandler writes it line by line, and on a loaded machine its thread can
+        # wait for a core midway): read the dumps once their sizes have not changed for 0.2 s.
+        sizes, settle = None, time.monotonic() + 3
+        while not all(f.is_file() for f in results) and time.monotonic() < settle:
+            time.sleep(0.2)
+            now = [d.stat().st_size if d.is_file() else 0 for d in dumps]
+            if now == sizes:
+                break
+            sizes = now
         collected = time.time()
         starts = [Path(out, f"rank{r}.start") for r in range(world)]
         global LAST_DETECTION_S
