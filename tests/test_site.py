@@ -54,6 +54,24 @@ def test_executed_lesson_has_real_output(built_site: Path):
     assert "data:image/png;base64," in html  # the matplotlib figure
 
 
+def test_lessons_share_one_stylesheet(built_site: Path):
+    """nbconvert's stylesheets (about 590 KB) are one file that every lesson links, not a copy
+    inlined into each page (docs/_hooks/lessons.py)."""
+    lessons = sorted((built_site / "lessons").glob("*/index.html"))
+    assert len(lessons) == len(list((ROOT / "lessons_src").glob("*.py")))
+    links = set()
+    for page in lessons:
+        html = page.read_text(encoding="utf-8")
+        assert "<style" not in html.split('<div class="jupyter-wrapper', 1)[0], page
+        found = re.findall(r'<link rel="stylesheet" href="\.\./\.\./(assets/stylesheets/'
+                           r'jupyter-[0-9a-f]{12}\.css)">', html)
+        assert len(found) == 1, page
+        links.add(found[0])
+    (link,) = links
+    css = (built_site / link).read_text(encoding="utf-8")
+    assert len(css) > 100_000 and ".jp-Cell" in css and ".highlight" in css
+
+
 def test_session_a_demo_resumes_exactly(built_site: Path):
     html = (built_site / "lessons" / "session_a_demo" / "index.html").read_text()
     # The page's claim, printed by its own run: the resumed losses equal the unbroken run's.

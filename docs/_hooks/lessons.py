@@ -30,6 +30,7 @@ from pathlib import Path
 
 import mkdocs_jupyter.plugin as jupyter_plugin
 from mkdocs.structure.toc import get_toc
+from mkdocs.utils import get_relative_url
 
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -168,6 +169,16 @@ NBCONVERT_LOADERS = [
 ]
 
 
+# nbconvert's template also inlines its stylesheets (JupyterLab's theme, about 590 KB) into every
+# lesson page, before the notebook itself. They are the same for every lesson, so the hook writes
+# them once, to a file named after their contents, and each page links it: a reader's browser
+# fetches and caches it once, each page is that much lighter, and the search plugin, which parses
+# every page, no longer parses them six times. A <style> inside a cell's output stays where it is.
+STYLE = re.compile(r"<style[^>]*>(.*?)</style>", re.S)
+NOTEBOOK = '<div class="jupyter-wrapper'
+_stylesheets: dict[str, str] = {}  # site path -> CSS, written by on_post_build
+
+
 def on_page_content(html, page, config, files):
     if page.file.src_uri.startswith("lessons/") and not getattr(page, "lesson_note", False):
         for loader in NBCONVERT_LOADERS:
@@ -177,4 +188,23 @@ def on_page_content(html, page, config, files):
                     f"{page.file.src_uri}: expected one nbconvert loader matching {loader.pattern!r}, "
                     f"found {count}; mkdocs-jupyter's template changed, update docs/_hooks/lessons.py"
                 )
+        template, found, notebook = html.partition(NOTEBOOK)
+        first = STYLE.search(template)
+        if not found or first is None:
+            raise RuntimeError(f"{page.file.src_uri}: expected nbconvert's stylesheets before "
+                               f"{NOTEBOOK!r}; mkdocs-jupyter's template changed, update "
+                               "docs/_hooks/lessons.py")
+        css = "\n".join(STYLE.findall(template))
+        path = f"assets/stylesheets/jupyter-{hashlib.sha256(css.encode()).hexdigest()[:12]}.css"
+        _stylesheets[path] = css
+        link = f'<link rel="stylesheet" href="{get_relative_url(path, page.url)}">'
+        template = template[:first.start()] + link + STYLE.sub("", template[first.start():])
+        html = template + found + notebook
     return html
+
+
+def on_post_build(config):
+    for path, css in _stylesheets.items():
+        target = Path(config["site_dir"]) / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(css, encoding="utf-8")
