@@ -300,6 +300,11 @@ def _worker(fn, rank, world_size, port, backend, timeout_s, threads, results, ar
     torch.set_num_threads(threads)  # N processes share the cores; oversubscribing slows all
     try:
         init_from_env(backend, timeout_s)
+        # Gloo's init can return on one rank while a peer is still finishing its side of the
+        # connection. A rank whose fn calls no collective could then return, exit and close the
+        # connection under that peer ("Connection closed by peer" in its init). One barrier:
+        # every rank has joined before any runs fn.
+        dist.barrier()
         # Plain pickle bytes: torch.multiprocessing would pass tensors through shared memory
         # that disappears when this process exits, before the parent has read them.
         results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
