@@ -31,6 +31,8 @@ def test_a_port_someone_listens_on_is_never_returned(monkeypatch):
         busy.bind(("127.0.0.1", ports.free_port()))
         busy.listen()
         taken = busy.getsockname()[1]
-        draws = iter([taken, ports.TORCHRUN_DEFAULT, taken + 1])
+        spare = next(p for p in range(taken + 1, 32768)
+                     if p != ports.TORCHRUN_DEFAULT and ports.is_free(p))
+        draws = iter([taken, ports.TORCHRUN_DEFAULT, spare])
         monkeypatch.setattr(ports._draw, "randrange", lambda low, high: next(draws))
-        assert ports.free_port() == taken + 1  # the busy port and torchrun's are passed over
+        assert ports.free_port() == spare  # the busy port and torchrun's are passed over
