@@ -3,6 +3,7 @@
 #
 #   make serve      the site on http://127.0.0.1:8000, reloading on edits to docs/, snippets/, lessons_src/
 #   make test       the whole suite: unit and multi-process tests, every code block, site build, browser
+#   make test-portable  the checked outputs and numeric tests again under other CPU kernel families
 #   make build      mkdocs build --strict into site/, executing every lesson (no cache)
 #   make test-gpu   the CUDA/NCCL-marked tests; fails when no GPU is present
 #   make soak       Session C's two-node c10d demo 20 times: every agent must exit 0 (outside make test)
@@ -23,7 +24,7 @@ STAMP  := $(VENV)/.installed-$(DEPS_DIGEST)
 TORCH_INDEX_URL ?=
 HOST   ?= 127.0.0.1:8000
 
-.PHONY: serve build test test-gpu soak bench clean torchtitan-env test-torchtitan
+.PHONY: serve build test test-portable test-gpu soak bench clean torchtitan-env test-torchtitan
 
 export NO_MKDOCS_2_WARNING := 1
 
@@ -65,6 +66,15 @@ TEST_WORKERS ?= 4
 test: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The pages' checked outputs and the numeric tests again, under the CPU kernel families this machine
+# can emulate (tests/portable.py): ATen, oneDNN and MKL capped together at `default` (no vector
+# kernels) and at AVX2, and the native kernels on two threads. `make test` is the native family on
+# one thread. A number that holds only on the kernels that wrote it fails here. One family:
+# `make test-portable FAMILIES=default` (what CI runs after make test).
+FAMILIES ?=
+test-portable: $(STAMP)
+	env -u PYTHONDONTWRITEBYTECODE TEST_WORKERS=$(TEST_WORKERS) $(PY) -m tests.portable $(FAMILIES)
+
 test-gpu: $(STAMP)
 	REQUIRE_GPU=1 $(PY) -m pytest -m cuda
 
@@ -74,9 +84,7 @@ soak: $(STAMP)
 	SOAK=1 OMP_NUM_THREADS=1 $(PY) -m pytest tests/test_teardown_soak.py
 
 bench: $(STAMP)
-	# Native kernels: a benchmark measures what the machine can do (snippets/__init__.py pins them
-	# to AVX2 elsewhere, so printed numbers match on every x86-64 machine).
-	COURSE_NATIVE_KERNELS=1 $(PY) -m snippets.bench --out bench.json
+	$(PY) -m snippets.bench --out bench.json
 
 # TorchTitan on the CPU (docs/course/week-2/torchtitan.md): the optional extra `torchtitan` in its
 # own environment, never in .venv (about 1.5 GB, half of it torch). torch first, at the pin; then

@@ -218,17 +218,18 @@ print(f"scheduler: {state['scheduler']['last_epoch']} steps taken; "
 #
 # ## Stop a run, then resume it
 #
-# Now the same run again, killed after step 100: `--max-steps` stops the loop as a crash would,
-# with no final checkpoint and no final evaluation.
+# Now the same run again, stopped after step 100: `--max-steps` stops the loop as a time limit
+# would, saving a checkpoint at that step first (but no final evaluation).
 
 # %%
 first = train(parse_args(COMMON + ["--out", "broken", "--max-steps", "100"]))
 print(sorted(p.name for p in Path("broken/checkpoints").glob("*.pt")))
 
 # %% [markdown]
-# The newest checkpoint is from step 80, so steps 81 to 100 are lost, as they would be in a
-# real crash. `--resume` loads the newest checkpoint that verifies, restores every piece listed
-# above, rolls `metrics.jsonl` back to step 80 and continues:
+# The newest checkpoint is from step 100, so nothing is lost. `--resume` loads the newest
+# checkpoint that verifies, restores every piece listed above and continues from step 101. (A
+# crash saves nothing: had the run been killed after step 100, `--resume` would start from the
+# step-80 checkpoint, roll `metrics.jsonl` back to step 80 and redo steps 81 to 100.)
 
 # %%
 resumed = train(parse_args(COMMON + ["--out", "broken", "--resume"]))
@@ -239,16 +240,16 @@ def train_losses(records, first_step, last_step):
             if r["kind"] == "train" and first_step <= r["step"] <= last_step}
 
 
-after = train_losses(resumed, 81, 160)
-reference = train_losses(unbroken, 81, 160)
+after = train_losses(resumed, 101, 160)
+reference = train_losses(unbroken, 101, 160)
 print("step  unbroken run        resumed run")
-for step in (81, 82, 120, 159, 160):
+for step in (101, 102, 120, 159, 160):
     print(f"{step:>4}  {reference[step]!r:<18}  {after[step]!r}")
-print(f"\nsteps 81-160 equal, bit for bit: {after == reference}")
+print(f"\nsteps 101-160 equal, bit for bit: {after == reference}")
 print(f"largest difference: {max(abs(after[s] - reference[s]) for s in after)}")
 val_after = [(r["step"], r["val_loss"]) for r in resumed if r["kind"] == "eval"]
 val_reference = [(r["step"], r["val_loss"]) for r in unbroken
-                 if r["kind"] == "eval" and r["step"] > 80]
+                 if r["kind"] == "eval" and r["step"] > 100]
 print(f"validation losses equal: {val_after == val_reference}")
 
 # %% [markdown]

@@ -64,6 +64,23 @@ def cpu_bf16_features() -> list[str]:
     return [name for name in ("amx_bf16", "avx512_bf16") if name in flags]
 
 
+# --8<-- [start:kernel-families]
+# PyTorch picks its CPU kernels at the first op, each library by its own probe of the CPU: ATen's
+# vectorised kernels (elementwise ops, softmax, reductions), MKL's fp32 matmuls, oneDNN's bf16
+# matmuls and attention (AMX where present). A wider vector adds in another order, so the last
+# bits of a result depend on the family. These settings emulate a lower CPU on this one; cap all
+# three together, as a real CPU of that level would be: ATen capped alone still finds AMX through
+# oneDNN, and bf16 attention then raises "pack_vnni2 is only supported when avx512 is supported".
+KERNEL_FAMILIES = {
+    "native": {},
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "ONEDNN_MAX_CPU_ISA": "AVX2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
+    "default": {"ATEN_CPU_CAPABILITY": "default", "ONEDNN_MAX_CPU_ISA": "SSE41",
+                "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
+}
+# --8<-- [end:kernel-families]
+
+
 # --8<-- [start:machine-info]
 def machine_info() -> dict:
     info = {
@@ -73,6 +90,7 @@ def machine_info() -> dict:
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
+        "cpu_kernels": torch.backends.cpu.get_cpu_capability(),
         "cpu_bf16_features": cpu_bf16_features(),
         "device": str(pick_device("auto")),
         "distributed_backends": [

@@ -15,6 +15,8 @@ from urllib.parse import urlparse
 
 import pytest
 
+pytestmark = pytest.mark.kernel_independent("the built site in a browser: search, rendering, requests")
+
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 CHROMIUM_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",

@@ -9,6 +9,8 @@ import pytest
 
 from tests.test_browser import CHROMIUM, CHROMIUM_FLAGS, require_browser, site_url  # noqa: F401
 
+pytestmark = pytest.mark.kernel_independent("the study plan's tick boxes in a browser")
+
 PAGE = "reference/study-plan/"
 
 

@@ -16,6 +16,8 @@ from snippets.training.checkpoint import (
     unwrap_model,
 )
 
+pytestmark = pytest.mark.kernel_independent("file writes, rotation and corruption detection")
+
 
 def _state(step: int) -> dict:
     torch.manual_seed(step)

@@ -20,6 +20,8 @@ import torch
 from snippets.training import checkpoint as ckpt
 from snippets.training import train_tiny_transformer as tiny
 
+pytestmark = pytest.mark.kernel_independent("a killed writer and the resume that follows, compared inside one machine")
+
 ARGS = ["--config", "tiny", "--batch-size", "2", "--context-length", "16", "--epochs", "1",
         "--steps-per-epoch", "8", "--ckpt-every", "2", "--keep-last", "2", "--eval-every", "0",
         "--eval-batches", "1", "--sample-tokens", "0", "--log-every", "100", "--device", "cpu",
@@ -177,7 +179,7 @@ def test_kill_at_every_step_of_a_save_then_resume(tmp_path, args, monkeypatch, c
 def test_damaged_newest_is_reported_in_one_line_and_skipped(tmp_path, args, caplog, capsys):
     unbroken, damaged = tmp_path / "unbroken", tmp_path / "damaged"
     tiny.train(tiny.parse_args(args + ["--out", str(unbroken)]))
-    tiny.train(tiny.parse_args(args + ["--out", str(damaged), "--max-steps", "7"]))
+    tiny.train(tiny.parse_args(args + ["--out", str(damaged), "--max-steps", "6"]))
     newest = damaged / "checkpoints" / "ckpt-00000006.pt"
     newest.write_bytes(newest.read_bytes()[:1000])  # a disk error, a bad copy...
     capsys.readouterr()

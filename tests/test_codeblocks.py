@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.kernel_independent("the code-block runner on pages written for the purpose: text and exit codes")
+
 
 def run_pages(tmp_path, **pages) -> subprocess.CompletedProcess:
     docs = tmp_path / "docs"

@@ -17,6 +17,8 @@ import torch
 
 from tests.test_facts import _scan
 
+pytestmark = pytest.mark.kernel_independent("the pages' text against each other")
+
 
 def _ddp_bucket_cap_mib() -> int:
     from torch.nn.parallel import distributed as ddp_module

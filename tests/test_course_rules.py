@@ -3,7 +3,11 @@ class a lesson re-implements (DESIGN.md, "The literate-code contract", rule 5)."
 
 import ast
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.kernel_independent("the source of snippets/scratch/: which names it uses")
 
 FORBIDDEN = {
     "DistributedDataParallel": "re-implemented by snippets/scratch/ddp.py",

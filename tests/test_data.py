@@ -12,6 +12,8 @@ from snippets.data.dataset import (
 )
 from snippets.data.tokenizer import ByteTokenizer
 
+pytestmark = pytest.mark.kernel_independent("tokenizers and integer token ids")
+
 
 def test_tokenizer_round_trip_including_non_ascii():
     tok = ByteTokenizer()

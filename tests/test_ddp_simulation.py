@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -105,3 +106,37 @@ def test_a_fresh_run_refuses_an_earlier_checkpoint_and_keeps_it(tmp_path, monkey
     assert ckpt.read_bytes() == b"an earlier run"
     with pytest.raises(SystemExit):  # both at once: argparse's one line
         ddp_simulation_train.main(["--ckpt", str(ckpt), "--resume", "--overwrite"])
+
+
+@pytest.fixture(scope="module")
+def overwritten_twice(tmp_path_factory):
+    """One process, one step, run twice into the same folders with --overwrite."""
+    tmp = tmp_path_factory.mktemp("overwrite")
+    for _ in range(2):
+        result = torchrun(tmp, "--steps", "1", "--overwrite", nproc=1)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return tmp
+
+
+def test_overwrite_starts_the_rank_logs_afresh(overwritten_twice):
+    """Lab 2 greps the logs: with --overwrite they hold this run only, not the one replaced."""
+    log = (overwritten_twice / "logs" / "rank_0" / "train.log").read_text()
+    assert log.count("started:") == 1 and log.count("done:") == 1, log
+
+
+def test_resume_with_another_config_is_one_line_last_on_screen(overwritten_twice, tmp_path):
+    """The field that changed, named in one line; not load_state_dict's line per tensor. Under
+    torchrun the last text on screen is torchrun's summary of the first failure, which ends
+    with the worker's error (its traceback, read from its error file): that one line."""
+    for name in ("ckpt.pt", "ckpt.pt.json"):  # the checkpoint and its checksum
+        shutil.copy(overwritten_twice / name, tmp_path / name)
+    result = torchrun(tmp_path, "--resume", "--config", "small", nproc=2)
+    assert result.returncode == 1
+    assert "size mismatch" not in result.stderr
+    message = (f"CheckpointError: {tmp_path / 'ckpt.pt'} was trained with a different model "
+               "config (checkpoint -> --config: hidden_size 64 -> 128, intermediate_size 172 -> "
+               "344, num_hidden_layers 2 -> 4, max_position_embeddings 64 -> 128); pass the "
+               "--config it was trained with")
+    assert f"error: rank 0: {message}\n" in result.stderr  # run_main's line, once per rank
+    last = [line for line in result.stderr.splitlines() if line.strip(" =")][-1]
+    assert last.endswith(message), result.stderr[-3000:]  # after "snippets.training.checkpoint."

@@ -8,6 +8,8 @@ import torch.distributed as dist
 
 from snippets.dist import LaunchError, read_launch_env, spawn
 
+pytestmark = pytest.mark.kernel_independent("process-group start-up and its errors")
+
 
 def sum_of_ranks(rank, world_size):
     t = torch.tensor([float(rank)])

@@ -25,6 +25,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+pytestmark = pytest.mark.kernel_independent("the pages' statements against library constants and formulas")
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 TORCH_DIR = Path(torch.__file__).parent

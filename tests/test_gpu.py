@@ -20,7 +20,8 @@ from snippets.scratch.collectives import ring_all_reduce
 from snippets.scratch.precision import DynamicLossScaler
 from tests.conftest import ROOT
 
-pytestmark = pytest.mark.cuda(reason="CUDA/NCCL tests for the GPU runner")
+pytestmark = [pytest.mark.cuda(reason="CUDA/NCCL tests for the GPU runner"),
+              pytest.mark.kernel_independent("runs only on an NVIDIA GPU (make test-gpu)")]
 
 
 def need_gpus(n):

@@ -11,6 +11,8 @@ from snippets.cluster.k8s.validate import (ManifestError, check_indexed_job, che
                                            load_manifests, validate_core, validate_file,
                                            validate_pytorchjob)
 
+pytestmark = pytest.mark.kernel_independent("YAML manifests against schemas")
+
 K8S = Path(__file__).resolve().parents[1] / "snippets" / "cluster" / "k8s"
 
 

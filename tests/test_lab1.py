@@ -198,3 +198,31 @@ def test_shape_error_scripts(capsys, monkeypatch):
     assert "is invalid for input of size 1024" in out
     assert "view size is not compatible" in out
     assert "equal to the right merge: False" in out
+
+
+def test_rerunning_step_1_with_another_config_keeps_the_earlier_run(tmp_path, capsys):
+    # Lab 1's challenge: set num_hidden_layers to 4 and rerun step 1's command, --overwrite
+    # included. The 2-layer run, and the pictures the inspection script drew of it, stay.
+    out = tmp_path / "base"
+    step_1 = FAST[2:] + ["--epochs", "1", "--steps-per-epoch", "4", "--ckpt-every", "2",
+                         "--eval-every", "0", "--out", str(out), "--overwrite"]
+    assert main(["--config", str(DEFAULT_CONFIG)] + step_1) == 0
+    for picture in ("attention.png", "weight_norms.png"):
+        (out / picture).write_bytes(PNG)  # as inspect_checkpoints.py leaves them
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main(["--config", str(LAB1 / "layers-4.json")] + step_1) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out} holds a run of another model config (that run -> --config: "
+        "num_hidden_layers 2 -> 4); --resume and --overwrite accept only that run's config: "
+        f"give this one its own --out, e.g. --out {tmp_path / 'num_hidden_layers-4'}\n")
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+    # The same config's run is replaced; the pictures are kept, and said to be the old run's.
+    assert main(["--config", str(DEFAULT_CONFIG)] + step_1 + ["--seed", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert ("--overwrite: kept attention.png, weight_norms.png, which this script did not "
+            "write: they show the run it replaced, not this one\n") in printed
+    assert all((out / p).read_bytes() == PNG for p in ("attention.png", "weight_norms.png"))
+    assert (out / "checkpoints" / "ckpt-00000004.pt").read_bytes() != (
+        before[out / "checkpoints" / "ckpt-00000004.pt"])

@@ -1,7 +1,10 @@
 """What a learner sees when a multi-process job goes wrong, and that nothing is left behind.
 
 - Under torchrun, the course's one-line error comes first, once per failing rank, and torchrun's
-  summary names the real cause (the worker wrote it to TORCHELASTIC_ERROR_FILE).
+  summary names the real cause (the worker wrote it to TORCHELASTIC_ERROR_FILE), last on screen:
+  a bad flag's line itself, an exception's traceback ending in the error.
+- A rank killed with SIGKILL prints nothing: every error line is a survivor's ("Connection reset
+  by peer"), and torchrun's summary names the killed rank by its signal.
 - A port already in use fails the node that would host the store at once, in one line.
 - A node whose peer never comes fails within the --timeout it was given (not 2 x timeout plus a
   back-off, TCPStore's own connect loop), and says where its output is.
@@ -14,11 +17,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.kernel_independent("what a failing launch prints, and that nothing is left running")
 
 LAUNCHER = [sys.executable, "-m", "snippets.cluster.fake_multi_node_launcher"]
 TRAIN = "snippets/cluster/multi_node_train.py"
@@ -61,7 +67,88 @@ def test_under_torchrun_the_course_error_comes_first_and_names_the_rank(tmp_path
     root_cause = result.stderr[result.stderr.index("Root Cause"):]
     assert "error_file: <N/A>" not in root_cause, root_cause
     assert "ConfigError: unknown config 'nope'" in root_cause, root_cause
+    # ... whose last line, the error, is the last on screen before the summary's closing rule.
+    assert lines[-1] == "=" * 60, result.stderr
+    assert lines[-2].endswith("ConfigError: unknown config 'nope'; use one of tiny, small, "
+                              "medium, gpt2-small or a path to a .json file"), result.stderr
 # --8<-- [end:first-line]
+
+
+# --8<-- [start:bad-flag]
+def test_under_torchrun_a_bad_flag_is_the_last_line_on_screen(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", TRAIN,
+         "--steps", "0", "--ckpt", str(tmp_path / "ckpt.pt")],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert result.stdout == ""
+    lines = [l for l in result.stderr.splitlines() if l.strip()]
+    flag = "multi_node_train.py: error: argument --steps: '0' is not a whole number of at least 1"
+    assert lines[0] == flag, result.stderr  # a worker's own line, before torchrun's
+    # Last on screen: torchrun's summary ends with the Root Cause, the line itself, and a rule.
+    assert lines[-1] == "=" * 60, result.stderr
+    assert lines[-2] == f"  traceback : {flag}", result.stderr
+# --8<-- [end:bad-flag]
+
+
+def worker_pid(marker: str, rank: int) -> int:
+    """The live process whose command line contains marker and whose RANK is rank."""
+    for line in processes_matching(marker):
+        pid = int(line.split(":")[0])
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ:
+            return pid
+    raise AssertionError(f"no rank {rank} among {processes_matching(marker)}")
+
+
+# --8<-- [start:killed-rank]
+def test_a_killed_rank_prints_nothing_and_torchruns_summary_names_its_signal(tmp_path):
+    ckpt = str(tmp_path / "ckpt.pt")  # unique to this test: finds its processes
+    torchrun = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", TRAIN,
+         "--steps", "100000", "--timeout", "20", "--ckpt", ckpt],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
+    # Bounds every read below: a job that never reaches step 2 is ended, and the test fails.
+    guard = threading.Timer(180, os.killpg, (torchrun.pid, signal.SIGKILL))
+    guard.start()
+    try:
+        screen = []
+        for line in torchrun.stdout:
+            screen.append(line)
+            if line.startswith("step 2 |"):
+                break
+        killed = worker_pid(ckpt, rank=1)
+        os.kill(killed, signal.SIGKILL)  # as the out-of-memory killer would
+        screen.append(torchrun.stdout.read())
+        assert torchrun.wait() == 1, "".join(screen)
+    finally:
+        guard.cancel()
+        if torchrun.poll() is None:
+            os.killpg(torchrun.pid, signal.SIGKILL)
+            torchrun.wait()
+    screen = "".join(screen)
+    errors = [l for l in screen.splitlines() if l.startswith("error: ")]
+    # Every error line is a survivor's: rank 1 never ran again to print one.
+    assert errors and all(l.startswith("error: rank 0: ") for l in errors), screen
+    assert re.search(r"Connection (reset|closed) by peer", errors[0]), screen
+    # torchrun's summary names the killed rank by its signal, under Failures or Root Cause.
+    assert (f"  rank      : 1 (local_rank: 1)\n  exitcode  : -9 (pid: {killed})  (SIGKILL)\n"
+            f"  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID {killed}\n"
+            ) in screen, screen
+    assert_none_left(ckpt)
+# --8<-- [end:killed-rank]
+
+
+def test_torchrun_checks_its_workers_every_tenth_of_a_second():
+    """Lab 3 contrasts --monitor-interval 2 with torchrun's default, 0.1 s."""
+    from torch.distributed.run import get_args_parser
+
+    assert get_args_parser().parse_args(["train.py"]).monitor_interval == 0.1
 
 
 # --8<-- [start:no-hangs]

@@ -17,8 +17,12 @@ import tomllib
 import torch
 import torch.distributed as dist
 
+import pytest
+
 from tests.conftest import ROOT
 from tests.test_facts import stated
+
+pytestmark = pytest.mark.kernel_independent("library behaviour read from the pinned source: constants and messages")
 
 SLURM = "workshop/session-c/slurm.md"
 KUBERNETES = "workshop/session-c/kubernetes.md"

@@ -34,6 +34,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.kernel_independent("where each number in the prose comes from: text")
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 ALLOWLIST = ROOT / "tests" / "measured_numbers_allowlist.txt"

@@ -150,3 +150,13 @@ def test_a_bad_split_is_a_clear_error():
     with pytest.raises(ValueError, match="batch size 8 does not divide into num_micro_batches=3"):
         pipeline_train_step(stage, gpipe_schedule, torch.zeros(8, 17, dtype=torch.long), 3, 0, 1)
 # --8<-- [end:bad-split]
+
+
+def test_the_library_demo_runs_the_pipeline_its_flags_describe(capsys):
+    """The flags of `python -m snippets.library.pipeline` set what it runs: 3 stages, not 2."""
+    from snippets.library.pipeline import main
+
+    main(["--stages", "3", "--micro-batches", "3", "--batch-size", "3", "--steps", "1"])
+    out = capsys.readouterr().out
+    assert out.startswith("tiny GPT, 3 stages, 3 micro-batches of 1 x 32 tokens, 1 SGD steps\n")
+    assert out.count("weights equal to from scratch: True") == 2, out

@@ -22,6 +22,8 @@ import pytest
 
 from snippets.planner import cost_model as cm
 
+pytestmark = pytest.mark.kernel_independent("pure Python arithmetic, no tensor op")
+
 H100 = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
 A100 = cm.CLUSTERS["A100 SXM 80GB, 8 per node, InfiniBand 200 Gb/s"]
 

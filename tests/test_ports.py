@@ -4,7 +4,11 @@ connection can take the port in the seconds before a rank binds it (snippets/por
 import random
 import socket
 
+import pytest
+
 from snippets import ports
+
+pytestmark = pytest.mark.kernel_independent("port numbers and sockets")
 
 
 def test_free_port_is_free_and_below_the_ephemeral_range():

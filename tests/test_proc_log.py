@@ -6,7 +6,11 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.kernel_independent("process accounting")
 
 
 def test_a_process_logs_itself_and_the_report_counts_it(tmp_path):

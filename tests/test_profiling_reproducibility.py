@@ -2,6 +2,7 @@
 snippets/training/reproducibility.py return what docs/reference/reproducibility.md claims."""
 
 import json
+import platform
 
 import pytest
 import torch
@@ -104,6 +105,21 @@ def test_batch_split_differs_in_the_last_bits_only(capsys):
 
 def test_resume_equals_the_unbroken_run(capsys):
     assert reproducibility.demo_resume() == {"resumed_equals_unbroken": True}
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"),
+                    reason="the avx2 and default families are x86-64 kernels")
+def test_kernel_families_differ_in_the_last_digits_only(capsys):
+    """The page's claims about its `kernels` demo: each family runs the kernels it names; the
+    first loss agrees to within a few float32 steps of ~5.5 (here 1e-6 relative); the plain
+    kernels add in another order than the native ones, so some step differs."""
+    runs = reproducibility.demo_kernels(steps=20)
+    assert runs["avx2"][0] == "AVX2" and runs["default"][0] == "DEFAULT"
+    first = [losses[0] for _, losses in runs.values()]
+    assert max(first) - min(first) <= 1e-6 * abs(first[0]), first
+    if runs["native"][0] != "DEFAULT":  # a vectorised native family adds in another order
+        assert runs["default"][1] != runs["native"][1]
+    assert "default vs native: first step that differs" in capsys.readouterr().out
 
 
 def test_unknown_demo_is_an_error(capsys):

@@ -16,8 +16,10 @@ from snippets.training.checkpoint import CheckpointError, CorruptCheckpointError
 STEP = 2
 
 
-def reference_model():
-    """The demo's training, replayed in one process on the whole global batch."""
+def reference_model(world_size: int = 2):
+    """The demo's training, replayed in one process: each rank's half-batch gradient computed on
+    its own, then averaged as all_reduce does (a + b is the same float in either order, so with 2
+    ranks the replay is exact, on any machine's kernels)."""
     from snippets.cluster.ranked_checkpoint import adam_groups
     from snippets.models.gpt import shift_for_next_token
 
@@ -26,7 +28,13 @@ def reference_model():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(1)
     for _ in range(STEP):
-        model(*shift_for_next_token(torch.randint(0, 256, (4, 17), generator=g)))[1].backward()
+        grads = []
+        for batch in torch.randint(0, 256, (2 * world_size, 17), generator=g).chunk(world_size):
+            model(*shift_for_next_token(batch))[1].backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+            optimizer.zero_grad()
+        for p, *per_rank in zip(model.parameters(), *grads):
+            p.grad = (per_rank[0] + per_rank[1]) / world_size
         optimizer.step()
         optimizer.zero_grad()
     return adam_groups(model, optimizer)
@@ -55,18 +63,18 @@ def saved(tmp_path_factory):
 
 
 # --8<-- [start:test-reshard]
-def test_two_rank_checkpoint_loads_on_one_and_four_ranks(saved):
+def test_two_rank_checkpoint_loads_on_one_and_four_ranks(saved, one_thread):
     ref = reference_model()
     ref_flat = {g: torch.cat([t.detach().reshape(-1) for t in ts.values()]) for g, ts in ref.items()}
     assert saved_world_size(saved) == 2
 
-    # 1 process: consolidation gives full tensors equal to single-process training. Tolerance:
-    # 2 ranks average two half-batch gradients instead of one mean (last-bit differences).
+    # 1 process: consolidation gives full tensors equal, bit for bit, to the same training
+    # replayed in one process.
     meta, groups = consolidate(saved)
     assert meta["step"] == STEP
     for group, tensors in ref.items():
         for name, tensor in tensors.items():
-            torch.testing.assert_close(groups[group][name], tensor.detach(), rtol=1e-4, atol=1e-6)
+            assert torch.equal(groups[group][name], tensor.detach()), (group, name)
     model = GPT(get_config("tiny"))
     model.load_state_dict(groups["model"], strict=False)
     for name, p in model.named_parameters():

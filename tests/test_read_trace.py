@@ -9,6 +9,8 @@ import pytest
 
 from snippets.training import read_trace
 
+pytestmark = pytest.mark.kernel_independent("a profiler trace's records and a table's text")
+
 TABLE = """\
 -----------------------------------------------  ------------  ------------  ------------
                                            Name    Self CPU %      Self CPU    # of Calls

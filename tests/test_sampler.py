@@ -7,6 +7,8 @@ from torch.utils.data import DistributedSampler
 
 from snippets.scratch.sampler import ShardedSampler
 
+pytestmark = pytest.mark.kernel_independent("integer indices")
+
 
 # --8<-- [start:same-indices]
 @pytest.mark.parametrize("dataset_len", [1, 3, 10, 11, 64])

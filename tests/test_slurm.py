@@ -20,6 +20,8 @@ import pytest
 from snippets.training.checkpoint import load_checkpoint
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.kernel_independent("SLURM job lifecycle: submission, states, files, exit codes")
+
 SCRIPT = ROOT / "snippets" / "cluster" / "local_slurm.sh"
 USER = pwd.getpwuid(os.getuid()).pw_name  # what `id -un` prints in local_slurm.sh
 STATE = Path(os.environ.get("LOCAL_SLURM_DIR", f"/tmp/course-slurm-{USER}"))

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from snippets.machine import pick_device
+from snippets.training import train_tiny_transformer as trainer
 from snippets.training.train_tiny_transformer import main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
@@ -49,27 +50,43 @@ def test_short_run_learns_and_writes_outputs(tmp_path):
     assert ckpts == ["ckpt-00000040.pt", "ckpt-00000060.pt"]  # keep-last 2
 
 
-def test_resume_is_bit_exact(tmp_path):
+def test_resume_is_bit_exact(tmp_path, monkeypatch):
     common = FAST + ["--epochs", "1", "--steps-per-epoch", "40", "--eval-every", "10",
                      "--ckpt-every", "10"]
     unbroken = train(parse_args(common + ["--out", str(tmp_path / "unbroken")]))
 
-    broken = tmp_path / "broken"
-    first = train(parse_args(common + ["--out", str(broken), "--max-steps", "25"]))
+    class CrashesAtStep26(trainer.RandomWindowSampler):
+        def next_batch(self):
+            if self.batches_drawn == 25:
+                raise RuntimeError("the job was killed")
+            return super().next_batch()
+
+    # Killed during step 26: the newest checkpoint is step 20, so steps 21-25 are redone.
+    crashed = tmp_path / "crashed"
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer, "RandomWindowSampler", CrashesAtStep26)
+        with pytest.raises(RuntimeError, match="killed"):
+            train(parse_args(common + ["--out", str(crashed)]))
+    first = _read_metrics(crashed)
     assert [r["step"] for r in first if r["kind"] == "train"][-1] == 25
-    # "Killed" after step 25: the newest checkpoint is step 20, so steps 21-25 are redone.
-    resumed = train(parse_args(common + ["--out", str(broken), "--resume"]))
+    resumed = train(parse_args(common + ["--out", str(crashed), "--resume"]))
+    # Stopped by --max-steps after step 25: it saves a checkpoint there, and nothing is redone.
+    stopped = tmp_path / "stopped"
+    train(parse_args(common + ["--out", str(stopped), "--max-steps", "25"]))
+    continued = train(parse_args(common + ["--out", str(stopped), "--resume"]))
 
     def losses(records, lo, hi):
         return {r["step"]: r["loss"] for r in records
                 if r["kind"] == "train" and lo <= r["step"] <= hi}
 
     assert sorted(losses(resumed, 0, 99)) == list(range(21, 41))
+    assert sorted(losses(continued, 0, 99)) == list(range(26, 41))
     # Exact equality, not approx: on CPU the same ops on the same inputs with the same
     # thread count run the same instructions in the same order, and the checkpoint
     # restores every input of a step exactly (weights, AdamW moments, scheduler position,
     # sampler generator, global RNGs). Any difference means some state was not restored.
     assert losses(resumed, 21, 40) == losses(unbroken, 21, 40)
+    assert losses(continued, 26, 40) == losses(unbroken, 26, 40)
     assert losses(first, 1, 20) == losses(unbroken, 1, 20)
     val = lambda recs: [(r["step"], r["val_loss"]) for r in recs if r["kind"] == "eval"]
     assert val(resumed) == [v for v in val(unbroken) if v[0] > 20]
@@ -79,8 +96,30 @@ def test_resume_is_bit_exact(tmp_path):
     def logged_losses(run_dir):
         return [(r["step"], r["loss"]) for r in _read_metrics(run_dir) if r["kind"] == "train"]
 
-    assert [s for s, _ in logged_losses(broken)] == list(range(1, 41))
-    assert logged_losses(broken) == logged_losses(tmp_path / "unbroken")
+    assert [s for s, _ in logged_losses(crashed)] == list(range(1, 41))
+    assert logged_losses(crashed) == logged_losses(tmp_path / "unbroken")
+    assert logged_losses(stopped) == logged_losses(tmp_path / "unbroken")
+
+
+@pytest.mark.parametrize("stop, flags, kept", [
+    (50, [], [50]),  # before the first checkpoint of the default --ckpt-every 100
+    (130, ["--ckpt-every", "50", "--keep-last", "2"], [100, 130]),  # between two of them
+])
+def test_max_steps_saves_a_checkpoint_that_resume_continues_from(stop, flags, kept, tmp_path,
+                                                                  capsys):
+    out = tmp_path / "run"
+    total = stop + 10
+    run = FAST + ["--epochs", "1", "--steps-per-epoch", str(total), "--eval-every", "20",
+                  "--out", str(out), *flags]
+    assert main(run + ["--max-steps", str(stop)]) == 0
+    assert f"stopped at step {stop} (--max-steps)" in capsys.readouterr().out
+    assert sorted(int(p.stem[5:]) for p in (out / "checkpoints").glob("ckpt-*.pt")) == kept
+    assert main(run + ["--resume"]) == 0
+    assert f"ckpt-{stop:08d}.pt at step {stop}\n" in capsys.readouterr().out
+    logged = _read_metrics(out)
+    assert [r["step"] for r in logged if r["kind"] == "train"] == list(range(1, total + 1))
+    evals = [r["step"] for r in logged if r["kind"] == "eval"]
+    assert evals == sorted(set(evals)) and evals[-1] == total
 
 
 def test_a_rerun_never_destroys_the_earlier_run(tmp_path, capsys):
@@ -90,9 +129,9 @@ def test_a_rerun_never_destroys_the_earlier_run(tmp_path, capsys):
     assert main(short) == 0
     before = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     capsys.readouterr()
-    # The same command again (or the tutorial's challenge: another config): refused, in one
-    # line saying what is there and the three ways on, and nothing is touched.
-    assert main(short[:1] + ["small"] + short[2:]) == 2
+    # The same command again: refused, in one line saying what is there and the three ways
+    # on, and nothing is touched. (Another config: tests/test_lab1.py.)
+    assert main(short) == 2
     err = capsys.readouterr().err
     assert err == (f"error: {out} already holds a run (2 checkpoints (steps 2-4), "
                    "metrics.jsonl, run.json, loss.png): pass --resume to continue it, a new "

@@ -6,6 +6,8 @@ import pytest
 from snippets.training import (ddp_simulation_train, ddp_trainer, fsdp_trainer, lab1_sweep,
                                train_tiny_transformer)
 
+pytestmark = pytest.mark.kernel_independent("command-line parsing: messages and exit codes")
+
 CASES = [
     # (script, argv, the one line it must print after "<prog>: error: ")
     (train_tiny_transformer, ["--max-steps", "-1"],
@@ -123,6 +125,17 @@ MAIN_CASES = [
      "argument --seed: must be a whole number >= 0, got -1"),
     ("snippets.training.read_logs", ["/no/such/run"],
      "/no/such/run/metrics.jsonl not found: give the --out folder of a finished run"),
+    ("snippets.library.pipeline", ["--stages", "0", "--micro-batches", "0"],
+     "argument --stages: must be a whole number >= 2, got 0"),
+    ("snippets.library.pipeline", ["--micro-batches", "0"],
+     "argument --micro-batches: must be a whole number >= 1, got 0"),
+    ("snippets.library.pipeline", ["--stages", "3", "--micro-batches", "2"],
+     "argument --micro-batches: must be at least --stages (3) for Schedule1F1B, got 2"),
+    ("snippets.library.pipeline", ["--micro-batches", "3"],
+     "argument --batch-size: must be a multiple of --micro-batches (3), got 8"),
+    # The library demos that take no flags refuse one rather than ignore it.
+    *[(f"snippets.library.{name}", ["--stages", "4"], "unrecognized arguments: --stages 4")
+      for name in ("tensor_parallel", "sequence_parallel", "context_parallel", "three_d")],
 ]
 
 

@@ -13,6 +13,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.kernel_independent("how printed lines reach a shared stream")
+
 LINES, WIDTH = 3000, 150
 PRINTER = ("import os, sys, time\n"
            "if sys.argv[2] == 'course':\n"

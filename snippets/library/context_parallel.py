@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from snippets.training.flags import Parser
+
 aten = torch.ops.aten
 
 
@@ -72,10 +74,13 @@ def demo_worker(rank: int, world_size: int, q, k, v, d_out) -> dict:
     return {"error": public_api_error(q, k, v), "ring": library_ring_attention(*mine)}
 
 
-def main(world_size: int = 2) -> None:
+def main(argv: list[str] | None = None) -> None:
     from snippets.dist import spawn
     from snippets.scratch.context_parallel import unshard_sequence
 
+    # No flags: one given by mistake is refused, not silently ignored.
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
+    world_size = 2
     generator = torch.Generator().manual_seed(0)
     q, k, v, d_out = (torch.randn(2, 2, 32, 8, generator=generator) for _ in range(4))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]

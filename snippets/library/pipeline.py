@@ -7,9 +7,12 @@ forwards and backwards. tests/test_pipeline.py checks both against the from-scra
 against single-process training.
 
     python -m snippets.library.pipeline      # 2 stages, both schedules, compared
+    python -m snippets.library.pipeline --stages 4 --micro-batches 8
 """
 
 from __future__ import annotations
+
+import argparse
 
 import torch
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
@@ -17,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.pipeline import (cross_entropy, split_into_stages,
                                        sync_tied_embedding_grads)
+from snippets.training.flags import Parser, int_at_least
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -87,12 +91,33 @@ def both_pipelines(rank, world_size, *args):
     return scratch, train_torch_pipeline(rank, world_size, *args)
 
 
+def parse_args(argv=None):
+    p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--stages", type=int_at_least(2), default=2,
+                   help="pipeline stages, one process and one layer each")
+    p.add_argument("--micro-batches", type=int_at_least(1), default=4,
+                   help="micro-batches per step: at least --stages, and dividing --batch-size")
+    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
+    p.add_argument("--steps", type=int_at_least(1), default=3, help="SGD steps")
+    args = p.parse_args(argv)
+    # torch's Schedule1F1B refuses fewer, with a traceback from every process.
+    if args.micro_batches < args.stages:
+        p.error(f"argument --micro-batches: must be at least --stages ({args.stages}) for "
+                f"Schedule1F1B, got {args.micro_batches}")
+    if args.batch_size % args.micro_batches:
+        p.error(f"argument --batch-size: must be a multiple of --micro-batches "
+                f"({args.micro_batches}), got {args.batch_size}")
+    return args
+
+
 # --8<-- [start:main]
-if __name__ == "__main__":
+def main(argv=None) -> None:
     from snippets.dist import spawn
     from snippets.scratch.pipeline import single_process
 
-    stages, m, steps, batch, seq = 2, 4, 3, 8, 32
+    args = parse_args(argv)
+    stages, m, steps, batch, seq = (args.stages, args.micro_batches, args.steps,
+                                    args.batch_size, 32)
     reference, ref_losses = single_process(steps, batch, seq, num_layers=stages)
     ranks = spawn(both_pipelines, stages, ["gpipe", "1f1b"], m, steps, batch, seq, timeout_s=120)
     print(f"tiny GPT, {stages} stages, {m} micro-batches of {batch // m} x {seq} tokens, "
@@ -110,3 +135,7 @@ if __name__ == "__main__":
               f"weights equal to from scratch: {same}, "
               f"max |weight - single process| {worst:.1e}")
 # --8<-- [end:main]
+
+
+if __name__ == "__main__":
+    main()

@@ -27,6 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
+from snippets.training.flags import Parser
 
 
 # --8<-- [start:plan]
@@ -95,9 +96,12 @@ def demo_worker(rank: int, world_size: int, batch: torch.Tensor) -> dict:
             "local_logits": tuple(logits.to_local().shape), "grads": grads}
 
 
-def main(world_size: int = 2) -> None:
+def main(argv: list[str] | None = None) -> None:
     from snippets.dist import spawn
 
+    # No flags: one given by mistake is refused, not silently ignored.
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
+    world_size = 2
     batch = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(1))
     torch.manual_seed(0)
     model = GPT(get_config("tiny"))

@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import (
 from snippets.data.dataset import random_token_batches
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
+from snippets.training.flags import Parser
 
 
 # --8<-- [start:plan]
@@ -130,9 +131,11 @@ def demo_worker(rank: int, world_size: int) -> dict:
             "weights": full_weights(model)}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from snippets.dist import spawn
 
+    # No flags: one given by mistake is refused, not silently ignored.
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     torch.manual_seed(0)
     reference = GPT(get_config("tiny"))
     start = {n: p.detach().clone() for n, p in reference.named_parameters()}

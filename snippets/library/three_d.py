@@ -32,6 +32,7 @@ from snippets.library.pipeline import torch_pipeline_train_step
 from snippets.library.tensor_parallel import block_plan, full_weights
 from snippets.scratch.pipeline import cross_entropy, single_process, split_into_stages
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
+from snippets.training.flags import Parser
 
 
 # --8<-- [start:parallelize]
@@ -89,10 +90,12 @@ PP, DP, TP = 2, 2, 2
 STEPS, BATCH, SEQ, MICRO_BATCHES = 3, 8, 16, 2  # scratch/three_d.py's run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     from snippets.dist import spawn
     from snippets.scratch.three_d import tolerance
 
+    # No flags: one given by mistake is refused, not silently ignored.
+    Parser(description=__doc__.splitlines()[0]).parse_args(argv)
     ranks = spawn(train_3d, PP * DP * TP, PP, DP, TP, STEPS, BATCH, SEQ, MICRO_BATCHES,
                   timeout_s=120)
     reference, ref_losses = single_process(STEPS, BATCH, SEQ, num_layers=PP)

@@ -58,10 +58,15 @@ class RunExistsError(CheckpointError):
     """A fresh run was pointed at a directory that holds an earlier run."""
 
 
+def changed_fields(saved: dict, now: dict) -> list[str]:
+    """The names of the fields whose values differ, in order."""
+    return [key for key in {**saved, **now} if saved.get(key) != now.get(key)]
+
+
 def config_diff(saved: dict, now: dict) -> str:
     """The fields that differ, as 'name saved -> now', comma-separated ('' if none)."""
     return ", ".join(f"{key} {saved.get(key)!r} -> {now.get(key)!r}"
-                     for key in {**saved, **now} if saved.get(key) != now.get(key))
+                     for key in changed_fields(saved, now))
 
 
 # --8<-- [start:unwrap-model]

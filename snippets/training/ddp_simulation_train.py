@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Dataset
 from snippets.data.dataset import load_tokens
 from snippets.dist import collective_device, init_from_env, leave_process_group, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import (RunExistsError, load_checkpoint, save_checkpoint,
-                                          unwrap_model)
+from snippets.training.checkpoint import (CheckpointError, RunExistsError, config_diff,
+                                          load_checkpoint, save_checkpoint, unwrap_model)
 from snippets.training.flags import Parser, int_at_least, positive_float
 
 
@@ -63,7 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true",
                    help="continue from --ckpt if it exists (a torchrun restart always does)")
     p.add_argument("--overwrite", action="store_true",
-                   help="start afresh, deleting the checkpoint at --ckpt")
+                   help="start afresh, deleting the checkpoint at --ckpt and starting the "
+                        "rank logs anew")
     p.add_argument("--no-sync", action="store_true",
                    help="skip gradient synchronisation: replicas drift apart")
     p.add_argument("--fail-rank", type=int_at_least(0), default=None,
@@ -92,14 +93,16 @@ def parse_args(argv=None):
 
 
 # --8<-- [start:rank-logger]
-def rank_logger(log_dir: str, rank: int) -> logging.Logger:
-    """Each rank writes its own file; only rank 0 also prints, so the terminal stays readable."""
+def rank_logger(log_dir: str, rank: int, append: bool = True) -> logging.Logger:
+    """Each rank writes its own file; only rank 0 also prints, so the terminal stays readable.
+    It appends, so that a restarted job continues the same file; a run that replaces an
+    earlier one (append=False) starts it afresh."""
     path = Path(log_dir) / f"rank_{rank}" / "train.log"
     path.parent.mkdir(parents=True, exist_ok=True)
     logger = logging.getLogger(f"rank{rank}")
     logger.setLevel(logging.INFO)
     formatter = logging.Formatter(f"%(asctime)s rank {rank} | %(message)s", "%H:%M:%S")
-    handlers = [logging.FileHandler(path, mode="a")]
+    handlers = [logging.FileHandler(path, mode="a" if append else "w")]
     if rank == 0:
         handlers.append(logging.StreamHandler(sys.stdout))
     for handler in handlers:
@@ -159,7 +162,7 @@ def main(argv=None) -> None:
                              "continue it, another --ckpt to keep it, or --overwrite to replace it")
     env = init_from_env(timeout_s=args.timeout)
     rank, world = env["rank"], env["world_size"]
-    log = rank_logger(args.log_dir, rank)
+    log = rank_logger(args.log_dir, rank, append=restart > 0 or not args.overwrite)
     log.info(f"started: RANK={rank} LOCAL_RANK={env['local_rank']} WORLD_SIZE={world} "
              f"MASTER={env['master_addr']}:{env['master_port']} restart={restart}")
 
@@ -189,6 +192,13 @@ def main(argv=None) -> None:
     step = 0
     if os.path.exists(args.ckpt) and (restart > 0 or args.resume):
         state = load_checkpoint(args.ckpt)
+        # A checkpoint saved without its config (an older one) is left to load_state_dict.
+        if "config" in state and (diff := config_diff(state["config"], config.to_dict())):
+            # A changed head count loads without a shape error and silently computes
+            # something else, so every difference is an error, named field by field.
+            raise CheckpointError(f"{args.ckpt} was trained with a different model config "
+                                  f"(checkpoint -> --config: {diff}); pass the --config it "
+                                  "was trained with")
         unwrap_model(model).load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -230,7 +240,8 @@ def main(argv=None) -> None:
             if step % args.ckpt_every == 0 or step == args.steps:
                 if rank == 0:  # one copy is enough: all replicas are identical
                     save_checkpoint(args.ckpt, {"model": unwrap_model(model).state_dict(),
-                                                "optimizer": optimizer.state_dict(), "step": step})
+                                                "optimizer": optimizer.state_dict(), "step": step,
+                                                "config": config.to_dict()})
                 dist.barrier()  # nobody runs ahead of a checkpoint that may be needed
             if step == args.steps:
                 break

@@ -6,18 +6,52 @@ command line is parsed, and a bad flag is one line naming the flag and what it a
 
     $ python script.py --steps 0
     script.py: error: argument --steps: must be a whole number >= 1, got 0
+
+Under torchrun the same line also ends torchrun's failure summary, the last thing on screen.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import time
 
 
+# --8<-- [start:parser]
 class Parser(argparse.ArgumentParser):
     """An ArgumentParser whose errors are one line (`--help` still shows the usage)."""
 
     def error(self, message: str):
-        self.exit(2, f"{self.prog}: error: {message}\n")
+        line = f"{self.prog}: error: {message}"
+        write_torchrun_error_file(line)
+        self.exit(2, line + "\n")
+
+
+def write_torchrun_error_file(line: str) -> None:
+    """Under torchrun, put `line` where torchrun's summary will show it: at the end.
+
+    A worker cannot print after torchrun: the agent prints its ChildFailedError traceback and
+    summary once the workers have exited, and the summary ends with the first failure's Root
+    Cause. The agent fills that from the file it names in TORCHELASTIC_ERROR_FILE, and shows
+    `error_file: <N/A>` and a link to the docs where a worker wrote none (an argparse exit
+    writes none). So the line goes into that file, laid out as torch's own
+    ErrorHandler.record_exception lays it out (torch/distributed/elastic/multiprocessing/
+    errors/error_handler.py), with the line where it puts a traceback: the summary prints it.
+    Re-printing the line after the summary would take a wrapper around torchrun, a command
+    other than the one learners type and a cluster's batch script runs.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:  # not under torchrun
+        return
+    error = {"message": {"message": line, "extraInfo": {
+        "py_callstack": line, "timestamp": str(int(time.time()))}}}
+    # Whole or not at all: when another rank fails first, the agent SIGTERMs this one at any
+    # moment, and a half-written file would make the agent itself fail to parse it.
+    with open(f"{path}.partial", "w") as f:
+        json.dump(error, f)
+    os.replace(f"{path}.partial", path)
+# --8<-- [end:parser]
 
 
 def checked(convert, ok, wanted: str):

@@ -3,8 +3,8 @@
     python snippets/training/reproducibility.py              # the first seven demos
     python snippets/training/reproducibility.py float-order  # one of them
 
-The first seven print a short result that is the same on every run; drift and threads print
-this machine's numbers; cuda needs an NVIDIA GPU.
+The first seven print a short result that is the same on every run; drift, threads and kernels
+print this machine's numbers; cuda needs an NVIDIA GPU.
 
     same-seed      the same seed gives bit-identical losses; another seed does not
     data-order     a shuffling DataLoader, with and without a generator of its own
@@ -15,6 +15,7 @@ this machine's numbers; cuda needs an NVIDIA GPU.
     resume         a run stopped at step 25 and resumed equals an unbroken run
     drift          one weight changed in its last bit: how far the losses drift
     threads        the same sum and the same training steps with 1 and 2 CPU threads
+    kernels        the same training steps on the kernels of three kinds of x86-64 CPU
     cuda           the GPU's non-deterministic atomics and CUBLAS_WORKSPACE_CONFIG
 """
 
@@ -22,8 +23,10 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import random
+import subprocess
 import sys
 import tempfile
 
@@ -31,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
+from snippets.machine import KERNEL_FAMILIES
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import seed_everything
 from snippets.training.train_tiny_transformer import parse_args, train
@@ -273,7 +277,8 @@ def demo_drift(steps: int = 200) -> dict:
 
 # --8<-- [start:resume]
 def demo_resume() -> dict:
-    """Train 40 steps unbroken; train again, stop at 25, resume from the step-20 checkpoint."""
+    """Train 40 steps unbroken; train again, stop at 25 (--max-steps saves a checkpoint
+    there), resume from it."""
     common = ["--config", "tiny", "--device", "cpu", "--threads", "1", "--batch-size", "8",
               "--context-length", "32", "--steps-per-epoch", "40", "--ckpt-every", "10",
               "--eval-every", "0", "--sample-tokens", "8"]
@@ -287,8 +292,8 @@ def demo_resume() -> dict:
         unbroken = losses(train(parse_args(common + ["--out", f"{tmp}/unbroken"])))
         train(parse_args(common + ["--out", f"{tmp}/broken", "--max-steps", "25"]))
         resumed = losses(train(parse_args(common + ["--out", f"{tmp}/broken", "--resume"])))
-    same = resumed == {step: unbroken[step] for step in range(21, 41)}
-    print(f"resumed at step 20, steps 21-40 equal the unbroken run's, bit for bit: {same}")
+    same = resumed == {step: unbroken[step] for step in range(26, 41)}
+    print(f"resumed at step 25, steps 26-40 equal the unbroken run's, bit for bit: {same}")
     return {"resumed_equals_unbroken": same}
 # --8<-- [end:resume]
 
@@ -311,6 +316,37 @@ def demo_threads() -> dict:
           f"{torch.equal(result[1]['losses'], result[2]['losses'])}")
     return result
 # --8<-- [end:threads]
+
+
+# --8<-- [start:kernels]
+def losses_in_family(family: str, steps: int) -> tuple[str, list[float]]:
+    """train_losses in a fresh process whose kernels are capped to a family (snippets/machine.py):
+    the kernels are chosen at a process's first op, so each family needs a process of its own."""
+    code = ("import json, torch; from snippets.training.reproducibility import train_losses; "
+            f"torch.set_num_threads(1); losses = train_losses(seed=0, steps={steps}).tolist(); "
+            "print(json.dumps([torch.backends.cpu.get_cpu_capability(), losses]))")
+    env = {k: v for k, v in os.environ.items()
+           if k not in {key for caps in KERNEL_FAMILIES.values() for key in caps}}
+    result = subprocess.run([sys.executable, "-c", code], env={**env, **KERNEL_FAMILIES[family]},
+                            capture_output=True, text=True, timeout=600, check=True)
+    return tuple(json.loads(result.stdout.splitlines()[-1]))
+
+
+def demo_kernels(steps: int = 100) -> dict:
+    """The same seed and the same steps on the kernels of three kinds of CPU (emulated here)."""
+    runs = {family: losses_in_family(family, steps) for family in KERNEL_FAMILIES}
+    native = runs["native"][1]
+    print(f"step {'  '.join(f'{f} ({runs[f][0]})'.rjust(18) for f in runs)}")
+    for step in (1, 10, 50, 100):
+        if step <= steps:
+            print(f"{step:4d} " + "  ".join(f"{runs[f][1][step - 1]:18.6f}" for f in runs))
+    for family in ("avx2", "default"):
+        diff = [abs(a - b) for a, b in zip(runs[family][1], native)]
+        first = next((i + 1 for i, d in enumerate(diff) if d > 0), None)
+        print(f"{family} vs native: first step that differs {first}, "
+              f"largest |difference| {max(diff):.1e}")
+    return runs
+# --8<-- [end:kernels]
 
 
 # --8<-- [start:cuda]
@@ -365,13 +401,14 @@ DEMOS = {
     "resume": demo_resume,
     "drift": demo_drift,
     "threads": demo_threads,
+    "kernels": demo_kernels,
     "cuda": demo_cuda,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     names = (sys.argv[1:] if argv is None else argv) or [
-        name for name in DEMOS if name not in ("drift", "threads", "cuda")]
+        name for name in DEMOS if name not in ("drift", "threads", "kernels", "cuda")]
     unknown = [name for name in names if name not in DEMOS]
     if unknown:
         print(f"error: unknown demo {', '.join(unknown)}; choose from {', '.join(DEMOS)}",

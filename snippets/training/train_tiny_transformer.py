@@ -43,6 +43,7 @@ from snippets.training.checkpoint import (
     CheckpointManager,
     RunExistsError,
     capture_rng_state,
+    changed_fields,
     config_diff,
     restore_rng_state,
     seed_everything,
@@ -105,14 +106,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", default="runs/tiny",
                    help="run directory: metrics.jsonl, loss.png, checkpoints/")
     p.add_argument("--ckpt-every", type=int_at_least(0), default=100,
-                   help="save a checkpoint every N steps (and at the end); 0 = only at the end")
+                   help="save a checkpoint every N steps (and at the end, or at --max-steps); "
+                        "0 = only there")
     p.add_argument("--keep-last", type=int_at_least(1), default=3,
                    help="checkpoints of this run to keep (earlier runs' are never deleted)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace the run in --out: delete its checkpoints, metrics and plot "
-                        "(only files this script writes) and start again")
+                   help="replace the run in --out, if it has the same model config: delete "
+                        "its checkpoints, metrics and plot (only files this script writes) "
+                        "and start again")
     p.add_argument("--eval-every", type=int_at_least(0), default=50,
                    help="validate every N steps (and at the end); 0 = only at the end")
     p.add_argument("--eval-batches", type=int_at_least(1), default=20,
@@ -120,9 +123,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--val-fraction", type=fraction, default=0.1,
                    help="the last fraction of the text held out for validation")
     p.add_argument("--max-steps", type=int_at_least(1), default=None,
-                   help="stop after this global step, as if the job were killed: no final "
-                        "checkpoint or evaluation, so --resume restarts from the last "
-                        "--ckpt-every checkpoint")
+                   help="stop after this global step and save a checkpoint there (no final "
+                        "evaluation or sample), so --resume continues from exactly that step")
     p.add_argument("--log-every", type=int_at_least(1), default=20,
                    help="print a log line every N steps")
     p.add_argument("--sample-tokens", type=int_at_least(0), default=120,
@@ -260,15 +262,37 @@ def plot_losses(metrics_path: Path, png_path: Path, vocab_size: int) -> None:
 
 
 RUN_FILES = ("metrics.jsonl", "run.json", "loss.png")  # what a run writes beside checkpoints/
+RUN_FOLDERS = ("checkpoints", "tensorboard", "wandb")
 
 
-def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool) -> None:
-    """Refuse to start a run where an earlier one left its files, unless --overwrite; even
-    then delete only the kinds of file this script writes."""
+def recorded_config(out: Path, manager: CheckpointManager) -> dict | None:
+    """The model config of the run in `out`, from its run.json, else its newest checkpoint."""
+    try:
+        return json.loads((out / "run.json").read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):  # no run.json, or not one of ours
+        pass
+    if manager.checkpoints():
+        return manager.load_latest(map_location="cpu").state["config"]
+    return None
+
+
+def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool, config: dict) -> None:
+    """Refuse to start a run where an earlier one left its files, unless --overwrite and the
+    earlier run has the same model config; even then delete only the kinds of file this
+    script writes."""
     found = [manager.describe()] if manager.checkpoints() else []
     found += [name for name in RUN_FILES if (out / name).exists()]
     if not found:
         return
+    earlier = recorded_config(out, manager)
+    if earlier is not None and (changed := changed_fields(earlier, config)):
+        # Another config's run is another experiment, not an earlier try at this one: a
+        # rerun with an edited config.json must not delete it.
+        own_out = out.parent / "-".join(f"{key}-{config.get(key)}" for key in changed)
+        raise RunExistsError(f"{out} holds a run of another model config (that run -> "
+                             f"--config: {config_diff(earlier, config)}); --resume and "
+                             "--overwrite accept only that run's config: give this one its "
+                             f"own --out, e.g. --out {own_out}")
     if not overwrite:
         raise RunExistsError(f"{out} already holds a run ({', '.join(found)}): pass --resume "
                              "to continue it, a new --out to keep it, or --overwrite to "
@@ -279,6 +303,10 @@ def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool) -> None:
     for events in (out / "tensorboard").glob("events.out.tfevents.*"):
         events.unlink()
     print(f"--overwrite: removed the earlier run in {out} ({', '.join(found)})")
+    kept = sorted(p.name for p in out.iterdir() if p.name not in RUN_FILES + RUN_FOLDERS)
+    if kept:  # e.g. the pictures Lab 1's inspect_checkpoints.py drew of the removed run
+        print(f"--overwrite: kept {', '.join(kept)}, which this script did not write: they "
+              "show the run it replaced, not this one")
 
 
 def train(args: argparse.Namespace) -> list[dict]:
@@ -365,7 +393,7 @@ def _train(args: argparse.Namespace) -> list[dict]:
         step = ckpt.state["step"]
         print(f"resumed from {ckpt.path} at step {step}")
     else:
-        start_fresh(out, manager, args.overwrite)  # never on top of an earlier run's files
+        start_fresh(out, manager, args.overwrite, config.to_dict())  # never on another run
     # --8<-- [end:resume]
 
     out.mkdir(parents=True, exist_ok=True)
@@ -444,8 +472,9 @@ def _train(args: argparse.Namespace) -> list[dict]:
 
         if args.eval_every and step % args.eval_every == 0 and step < total_steps:
             bar.write(f"step {step:5d} | val loss {run_eval():.4f}")
-        if args.ckpt_every and step % args.ckpt_every == 0 and step < total_steps:
-            save_checkpoint_now()
+        periodic = args.ckpt_every and step % args.ckpt_every == 0
+        if step < total_steps and (periodic or step == stop_at):  # the end saves one below
+            save_checkpoint_now()  # at --max-steps too, so that --resume redoes no step
     # --8<-- [end:training-loop]
     bar.close()
     elapsed = time.perf_counter() - start_time
@@ -460,7 +489,8 @@ def _train(args: argparse.Namespace) -> list[dict]:
         print("greedy sample (prompt from the validation text, model output after »):")
         print(tokenizer.decode(prompt) + "»" + text)
     elif not finished:
-        print(f"stopped at step {step} (--max-steps): resume with --resume")
+        print(f"stopped at step {step} (--max-steps): --resume continues from "
+              f"{manager.path_for(step)}")
     metrics.close()
     plot_losses(metrics.path, out / "loss.png", config.vocab_size)
 
