@@ -125,14 +125,19 @@ def main() -> None:
                   f"{'stepped' if r['stepped'] else 'skipped'}  "
                   f"weights finite {r['weights_finite']}")
 
-    print("\n== 3. plain SGD, 12 steps: loss per step ==")
+    print("\n== 3. plain SGD, 12 steps ==")
+    # A run that diverges amplifies every last-bit difference between CPUs' kernels: its digits
+    # after a few steps are this machine's own. What it shows holds on any machine.
+    last4 = {}
     for lr, clip in ((3.0, None), (3.0, 1.0), (0.5, None)):
         log = train_sgd(steps=12, lr=lr, clip_norm=clip)
-        losses = " ".join(f"{r['loss']:.3g}" for r in log)
-        largest = max(r["grad_norm"] for r in log)
-        print(f"  lr {lr}, clip {clip}: {losses}")
-        print(f"    first NaN at step {first_nan_step(log)}, largest gradient norm {largest:.3g}")
-
+        norms = [r["grad_norm"] for r in log if math.isfinite(r["loss"])]
+        last4[lr, clip] = sum(r["loss"] for r in log[-4:]) / 4
+        print(f"  lr {lr}, clip {clip}: NaN within 12 steps: {first_nan_step(log) is not None!s:<5}  "
+              f"largest gradient norm above 1e6: {max(norms) > 1e6!s:<5}  "
+              f"below 100: {max(norms) < 100}")
+    print("  mean loss of steps 9-12, lr 0.5 without clipping below lr 3.0 with it: "
+          f"{last4[0.5, None] < last4[3.0, 1.0]}")
 
 if __name__ == "__main__":
     main()
