@@ -7,6 +7,7 @@ without the hardware it was measured on. `python -m snippets.machine` prints it 
 import json
 import os
 import platform
+import sys
 
 import torch
 
@@ -79,6 +80,18 @@ KERNEL_FAMILIES = {
                 "MKL_ENABLE_INSTRUCTIONS": "SSE4_2"},
 }
 # --8<-- [end:kernel-families]
+
+
+def set_threads(threads: int, why: str) -> int:
+    """Set this process's intra-op threads, and say so on stderr when that changes them: a
+    script that changes a process-wide setting tells its reader (stdout keeps its results).
+    Returns the count before, for a caller that restores it."""
+    before = torch.get_num_threads()
+    if threads != before:
+        print(f"note: {threads} intra-op thread{'' if threads == 1 else 's'} instead of "
+              f"{before}: {why}", file=sys.stderr)
+    torch.set_num_threads(threads)
+    return before
 
 
 # --8<-- [start:machine-info]

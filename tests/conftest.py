@@ -71,42 +71,12 @@ def pytest_configure(config):
             p for p in (hook, os.environ.get("PYTHONPATH")) if p)
 
 
-def pytest_addoption(parser):
-    parser.addoption("--portable", action="store_true",
-                     help="only what a CPU's kernels can change: the pages with checked output "
-                          "and the tests not marked kernel_independent (make test-portable)")
-
-
-def pytest_collection_modifyitems(config, items):
+def pytest_collection_modifyitems(items):
     """Longest files first, so the last minutes are not one long file on one worker
-    (tests/schedule.py; `make test` passes --no-loadscope-reorder to keep this order).
-    With --portable, keep what tests/portable.py reruns under other kernel families."""
+    (tests/schedule.py; `make test` passes --no-loadscope-reorder to keep this order)."""
     from tests.schedule import longest_first
 
-    if config.getoption("portable"):
-        kept, dropped = [], []
-        for item in items:
-            (kept if portable(item) else dropped).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
     longest_first(items)
-
-
-def page_checks_output(path: Path, _cache: dict = {}) -> bool:
-    if path not in _cache:
-        _cache[path] = "pytest-codeblocks:expected-output" in path.read_text()
-    return _cache[path]
-
-
-def portable(item) -> bool:
-    """A page block runs under every family when its page checks an output (a later block may
-    check what an earlier one wrote); a test, unless its file is marked kernel_independent: the
-    marker says why nothing it asserts can depend on which kernels ran."""
-    path = Path(str(item.path))
-    if path.suffix == ".md":
-        return page_checks_output(path)
-    return item.get_closest_marker("kernel_independent") is None
 
 
 @pytest.hookimpl(hookwrapper=True)

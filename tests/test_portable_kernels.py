@@ -107,3 +107,16 @@ def test_a_capped_family_runs_bf16_attention(family):
     result = run(code, **FAMILIES[family].env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.split()[-1] == ("DEFAULT" if family == "default" else "AVX2")
+
+
+def test_a_script_that_sets_the_threads_says_so(capsys, one_thread):
+    from snippets.machine import set_threads
+
+    assert set_threads(1, "already one") == 1  # no change: nothing to say
+    assert capsys.readouterr() == ("", "")
+    assert set_threads(2, "the reason") == 1
+    import torch
+
+    assert torch.get_num_threads() == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == "note: 2 intra-op threads instead of 1: the reason\n"

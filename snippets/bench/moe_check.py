@@ -16,6 +16,7 @@ from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.moe import (MoE, apply_expert_parallel, moe_aux_loss, moe_layers,
                                   swap_mlps_for_moe)
 from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
+from snippets.machine import set_threads
 
 
 # --8<-- [start:demo]
@@ -70,7 +71,7 @@ def main(argv=None) -> None:
     parser.add_argument("--aux-loss-weight", type=float_at_least(0), default=0.01)
     parser.add_argument("--capacity-factor", type=positive_float, default=1.25)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(1, "a tiny model gains nothing from more")
     print(f"tiny GPT, each MLP replaced by 4 SwiGLU experts, top-2, capacity factor "
           f"{args.capacity_factor}, aux loss weight {args.aux_loss_weight}:")
     for r in train_moe_gpt(args.steps, capacity_factor=args.capacity_factor,

@@ -27,6 +27,7 @@ from snippets.models.gpt import GPT, GPTConfig, get_config
 from snippets.training.checkpoint import CheckpointError, load_checkpoint
 from snippets.training.train_tiny_transformer import evaluate
 from snippets.training.flags import Parser
+from snippets.machine import set_threads
 
 
 # --8<-- [start:load]
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
                    help="checkpoint files, or directories of ranked checkpoint files")
     p.add_argument("--config", default="tiny", help="model config of a ranked checkpoint")
     args = p.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(1, "a tiny model gains nothing from more")
     for path in args.checkpoints:
         try:
             r = evaluate_checkpoint(path, args.config)

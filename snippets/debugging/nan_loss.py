@@ -19,6 +19,7 @@ import torch
 from snippets.models.gpt import shift_for_next_token
 from snippets.scratch.precision import DynamicLossScaler
 from snippets.training.precision_and_accumulation import model_and_batch
+from snippets.machine import set_threads
 
 
 # --8<-- [start:attention-overflow]
@@ -110,7 +111,7 @@ def first_nan_step(log: list[dict]) -> int | None:
 
 
 def main() -> None:
-    torch.set_num_threads(1)
+    set_threads(1, "a tiny model gains nothing from more")
     print("== 1. attention scores of q = k = 32.0 (head_dim 64): one row of softmax ==")
     for name, probs in attention_overflow_demo().items():
         print(f"  {name:<21} {probs[0].tolist()}")

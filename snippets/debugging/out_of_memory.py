@@ -18,6 +18,7 @@ from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_tok
 from snippets.planner.memory import measure_activation_bytes, model_state_bytes
 from snippets.training.flags import Parser, int_at_least
 from snippets.training.precision_and_accumulation import median_seconds
+from snippets.machine import set_threads
 
 MiB = 2**20
 
@@ -77,7 +78,7 @@ def main(argv=None) -> None:
         get_config(args.config)
     except ConfigError as err:
         parser.error(f"argument --config: {err}")
-    torch.set_num_threads(1)  # timings compare variants in one process; one thread is steadier
+    set_threads(1, "the timings compare variants in one process; one thread is steadier")
 
     print(f"{args.config} GPT, fp32 + AdamW, one rank: bytes for one training step")
     print(f"{'micro-batch':>11} {'checkpointing':>13} {'model state':>12} {'activations':>12} "

@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import load_tokens
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
+from snippets.machine import set_threads
 
 
 # --8<-- [start:slow-loader]
@@ -75,7 +76,7 @@ def main(argv=None) -> None:
                         help="at least 2: step 1 pays for starting the workers and is left out")
     parser.add_argument("--batch-size", type=int_at_least(1), default=8)
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    set_threads(1, "the data loader's workers and the model share the cores")
     print(f"tiny GPT, batch {args.batch_size}, each example takes {args.delay_ms:g} ms to load")
     for workers in args.workers:
         log = timed_training(workers, args.steps, args.batch_size, args.delay_ms)

@@ -26,6 +26,7 @@ from snippets.bench.pipeline_memory import LiveTensorMemory
 from snippets.figures import svg
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.flags import Parser
+from snippets.machine import set_threads
 
 NAME = "memory-timeline"
 CONFIG, BATCH_SIZE = "tiny", 8  # sequences of the config's full context
@@ -207,7 +208,7 @@ def main(argv=None) -> None:
     parser.add_argument("--write", action="store_true",
                         help=f"also write docs/assets/figures/{NAME}.svg")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)  # byte counts do not depend on threads; start-up time does
+    set_threads(1, "byte counts do not depend on threads; start-up time does")
     print(summary())
     if args.write:
         print(f"wrote {svg.write(NAME, render())}")

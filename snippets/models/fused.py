@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from snippets.machine import cpu_model
+from snippets.machine import cpu_model, set_threads
 from snippets.models.gpt import (GPT, MLP, CausalSelfAttention, RMSNorm, get_config,
                                  shift_for_next_token)
 from snippets.training.precision_and_accumulation import median_seconds
@@ -165,7 +165,7 @@ def operator_table(model, optimizer, inputs, targets, steps: int = 3,
 
 
 def main(config_name: str = "small", batch_size: int = 8, repeats: int = 5) -> None:
-    torch.set_num_threads(1)
+    set_threads(1, "the profile compares operators, not parallel speed-up")
     config = get_config(config_name)
     torch.manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, config.max_position_embeddings + 1))

@@ -23,7 +23,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
-from snippets.machine import cpu_bf16_features, cpu_model
+from snippets.machine import cpu_bf16_features, cpu_model, set_threads
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.precision import (E4M3, E5M2, Fp8Matmul, dequantize_fp8, fp8_scale,
                                         quantization_error, quantize_fp8, scaled_mm_linear,
@@ -350,7 +350,7 @@ def main(argv=None) -> None:
     p.add_argument("--plot", help="write the loss curves to this image file")
     p.add_argument("--threads", type=int_at_least(1), default=1)
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads, "--threads")
     if args.part in ("train", "profile"):
         features = ", ".join(cpu_bf16_features()) or "none"
         print(f"{cpu_model()}, torch {torch.__version__}, {args.threads} thread(s), "

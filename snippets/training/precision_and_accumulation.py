@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
-from snippets.machine import cpu_bf16_features, cpu_model
+from snippets.machine import cpu_bf16_features, cpu_model, set_threads
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes
 from snippets.scratch.precision import DynamicLossScaler
@@ -461,7 +461,7 @@ def main(argv=None) -> None:
     if unknown:
         p.error(f"unknown part {unknown[0]!r}: choose from {', '.join(PARTS)}")
     parts = args.parts or [part for part in PARTS if part != "compile"]
-    torch.set_num_threads(args.threads)
+    set_threads(args.threads, "--threads")
     if TIMED_PARTS & set(parts):  # a time means nothing without the machine it was taken on
         features = ", ".join(cpu_bf16_features()) or "none"
         print(f"{cpu_model()}, torch {torch.__version__}, {args.threads} thread(s), "

@@ -25,7 +25,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
-from snippets.machine import DeviceError, pick_device
+from snippets.machine import DeviceError, pick_device, set_threads
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.training.flags import Parser, float_at_least, int_at_least
 
@@ -209,7 +209,7 @@ def run(args: argparse.Namespace) -> dict:
     """Profile (or, with --throughput, time) the training steps; print and return a summary."""
     threads = torch.get_num_threads()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads, "--threads (0 leaves PyTorch's choice)")
     try:
         return _run(args)
     finally:

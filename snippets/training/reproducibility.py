@@ -34,7 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import RandomWindowSampler, load_tokens
-from snippets.machine import KERNEL_FAMILIES
+from snippets.machine import KERNEL_FAMILIES, set_threads
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import seed_everything
 from snippets.training.train_tiny_transformer import parse_args, train
@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # One thread, as in train_tiny_transformer.py: the results below must not depend on how
     # many cores this machine has (the threads demo sets its own).
-    torch.set_num_threads(1)
+    set_threads(1, "the results below must not depend on this machine's core count")
     for i, name in enumerate(names):
         if len(names) > 1:
             print(f"{'' if i == 0 else chr(10)}== {name}")

@@ -36,7 +36,7 @@ from snippets.data.dataset import (
 )
 from snippets.data.shards import load_tokenizer, read_rank_tokens
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.machine import DeviceError, pick_device
+from snippets.machine import DeviceError, pick_device, set_threads
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.training.checkpoint import (
     CheckpointError,
@@ -313,7 +313,7 @@ def train(args: argparse.Namespace) -> list[dict]:
     """Run (or resume) training; returns the metric records written by this call."""
     threads = torch.get_num_threads()
     if args.threads:
-        torch.set_num_threads(args.threads)
+        set_threads(args.threads, "--threads (0 leaves PyTorch's choice)")
     try:
         return _train(args)
     finally:
