@@ -312,8 +312,6 @@ def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool, config: 
 def train(args: argparse.Namespace) -> list[dict]:
     """Run (or resume) training; returns the metric records written by this call."""
     threads = torch.get_num_threads()
-    if args.threads:
-        set_threads(args.threads, "--threads (0 leaves PyTorch's choice)")
     try:
         return _train(args)
     finally:
@@ -395,6 +393,8 @@ def _train(args: argparse.Namespace) -> list[dict]:
     else:
         start_fresh(out, manager, args.overwrite, config.to_dict())  # never on another run
     # --8<-- [end:resume]
+    if args.threads:  # once the run is accepted: a refused command changes nothing
+        set_threads(args.threads, "--threads (0 leaves PyTorch's choice)")
 
     out.mkdir(parents=True, exist_ok=True)
     (out / "run.json").write_text(json.dumps(
