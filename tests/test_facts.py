@@ -91,8 +91,26 @@ def rendezvous_join_timeout_s() -> int:
 
 
 def static_rendezvous_timeout_s() -> int:
+    """The static backend's own fallback, for a launcher that passes no timeout (torchrun passes one)."""
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
     return static_tcp_rendezvous._default_timeout_seconds
+
+
+def torchrun_static_rendezvous_timeout_s(log_dir) -> int:
+    """The timeout a static rendezvous gets under `torchrun --nnodes=2 --node_rank=0 --master_addr=...`
+    with no --rdzv_conf: the handler built, as launch_agent builds it, from the LaunchConfig
+    torchrun makes (its __post_init__ fills in rdzv_configs["timeout"]). Nothing is connected."""
+    from torch.distributed import run
+    from torch.distributed.elastic.rendezvous import RendezvousParameters
+    from torch.distributed.elastic.rendezvous.static_tcp_rendezvous import create_rdzv_handler
+    config, _, _ = run.config_from_args(run.parse_args(
+        [f"--log-dir={log_dir}", "--nnodes=2", "--node_rank=0", "--master_addr=127.0.0.1",
+         "--master_port=29500", "train.py"]))
+    assert config.rdzv_backend == "static", config.rdzv_backend
+    params = RendezvousParameters(backend=config.rdzv_backend, endpoint=config.rdzv_endpoint,
+                                  run_id=config.run_id, min_nodes=config.min_nodes, max_nodes=config.max_nodes,
+                                  local_addr=config.local_addr, **config.rdzv_configs)
+    return round(create_rdzv_handler(params).timeout.total_seconds())
 
 
 def course_timeout_s() -> int:
@@ -133,12 +151,21 @@ def test_nccl_default_timeout(page, pattern):
         assert int(value) == minutes(nccl_default_timeout()), f"docs/{page}:{line}"
 
 
-def test_rendezvous_timeout_on_kubernetes_page():
+def test_rendezvous_timeout_on_kubernetes_page(tmp_path, monkeypatch):
     page = "workshop/session-c/kubernetes.md"
-    [(line, (value,))] = stated(page, r"sits in the rendezvous and gives up after (\d+) s by default")
-    # The page says it for both rendezvous backends: the Job's static one and c10d.
-    assert int(value) == static_rendezvous_timeout_s(), f"docs/{page}:{line} (static rendezvous)"
-    assert int(value) == rendezvous_join_timeout_s(), f"docs/{page}:{line} (c10d join_timeout)"
+    for name in ("PET_RDZV_CONF", "PET_RDZV_BACKEND", "PET_NNODES", "PET_NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)  # torchrun's flag defaults
+    # The Job's static rendezvous: torchrun's own timeout, not the backend's fallback.
+    [(line, (static, fallback))] = stated(
+        page, r"sits in the\s+rendezvous and gives up, by default, after (\d+) s with this Job's static rendezvous"
+              r" \(`--master_addr`\): torchrun passes `timeout=\1` itself \(`LaunchConfig` in"
+              r" `torch/distributed/launcher/api\.py`\), which replaces the static backend's"
+              r" own (\d+)\.")
+    assert int(static) == torchrun_static_rendezvous_timeout_s(tmp_path), f"docs/{page}:{line} (static rendezvous)"
+    assert int(fallback) == static_rendezvous_timeout_s(), f"docs/{page}:{line} (static fallback)"
+    [(line, (join,))] = stated(page, r"A `c10d` rendezvous ignores that key and gives up after its\s+`join_timeout`,"
+                                     r" (\d+) s")
+    assert int(join) == rendezvous_join_timeout_s(), f"docs/{page}:{line} (c10d join_timeout)"
     stated(page, r"--rdzv_conf timeout=\d+")       # the static backend's key ...
     stated(page, r"--rdzv_conf join_timeout=\d+")  # ... and c10d's, both real parameter names
     from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
@@ -516,6 +543,12 @@ def test_where_next_facts():
 
 # ---------------------------------------------------------------- consistency across pages
 
+def _in_temporary_dir(function):
+    import tempfile
+    with tempfile.TemporaryDirectory() as directory:
+        return function(directory)
+
+
 def _plain(text: str) -> str:
     return text.replace("−", "-").replace("\u2009", " ")
 
@@ -530,8 +563,11 @@ CONSISTENCY = [
     ("NCCL default timeout (min)", r"default (\d+)-minute timeout",
      lambda: minutes(nccl_default_timeout()), "kProcessGroupNCCLDefaultTimeout"),
     ("rendezvous timeout (s)",
-     r"(?:rendezvous|join)[ _-]timeout (?:is |of )?(\d+) ?s\b|rendezvous\s+and\s+gives\s+up\s+after\s+(\d+) s",
+     r"(?:rendezvous|join)[ _-]timeout (?:is |of )?(\d+) ?s\b|rendezvous\s+and\s+gives\s+up\s+after\s+(\d+) s"
+     r"|`join_timeout`,\s+`?(\d+)`? s",
      rendezvous_join_timeout_s, "RendezvousTimeout._DEFAULT_TIMEOUTS['join']"),
+    ("torchrun's static rendezvous timeout (s)", r"torchrun passes `timeout=(\d+)`",
+     lambda: _in_temporary_dir(torchrun_static_rendezvous_timeout_s), "LaunchConfig.__post_init__'s default_timeout"),
     ("course timeout (s)", r"(\d+) s in this course|course's default (\d+) s",
      course_timeout_s, "snippets.dist.DEFAULT_TIMEOUT_S"),
     ("model state with Adam (bytes/param)",

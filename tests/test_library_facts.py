@@ -263,6 +263,29 @@ def test_interleaved_1f1b_warmup_and_rounds():
     assert "if n_microbatches % self.number_of_rounds != 0:" in src
 
 
+def test_interleaved_first_backward_comes_one_forward_after_the_warmup():
+    # interleaved-pipeline.md: after the (v-1)p + 2(p-1-r) warm-up forwards the steady state
+    # opens with a forward, so one more forward runs before the first backward; the page's own
+    # printed schedule (5 on rank 0, 3 on rank 1) shows it. torch's warm-up count, plus one.
+    from torch.distributed.pipelining import schedules
+
+    from snippets.scratch.pipeline_interleaved import interleaved_schedule
+    page = "course/week-3/interleaved-pipeline.md"
+    stated(page, r"\$\(v-1\)p \+ 2\(p-1-r\) \+ 1\$\s+forwards \(at most \$vm\$\) come before rank \$r\$'s first backward")
+    [(line, shown)] = stated(page, r"shows (\d+) on rank 0 and (\d+) on rank 1 for \$p = v = 2\$")
+    from tests.test_facts import page_text
+    printed = dict(re.findall(r"(?m)^rank (\d): ((?:[FB]\d\.\d ?)+)$", page_text(page)))  # the expected output
+    assert len(printed) == 2, printed
+    for r in (0, 1):
+        actions = printed[str(r)].split()
+        before = next(i for i, a in enumerate(actions) if a.startswith("B"))
+        assert before == int(shown[r]) == schedules._get_warmup_ops(r, 2, 2, 2, 4) + 1, f"docs/{page}:{line}: rank {r}"
+    for p, v, m in [(2, 2, 2), (2, 2, 4), (4, 2, 8), (4, 3, 4), (3, 2, 9), (4, 4, 8)]:
+        for r in range(p):
+            kinds = [a[0] for a in interleaved_schedule(m, r, p, v)]
+            assert kinds.index("B") == min(schedules._get_warmup_ops(r, v, p, p, m) + 1, v * m), (p, v, m, r)
+
+
 def test_fp8_casts_without_a_scale():
     # low-precision.md: unscaled, e5m2 overflows to infinity from halfway past its largest
     # number, and 1e-3 lands on e4m3's smallest subnormal but on a normal e5m2 number.
@@ -568,15 +591,55 @@ def test_torchrun_error_file_and_record_decorator():
     assert [str(e) for e in calls] == ["boom"]
 
 
-def test_rendezvous_defaults_stated_in_the_demo():
-    # demo.md: static rendezvous waits _default_timeout_seconds = 600 s; c10d's join_timeout is 600 s.
+def test_rendezvous_defaults_stated_in_the_demo(tmp_path, monkeypatch):
+    # demo.md: torchrun passes timeout=900 to the static rendezvous, which uses it in place of its
+    # own _default_timeout_seconds = 600; c10d's join_timeout is 600 s and ignores that key.
+    from tests.test_facts import static_rendezvous_timeout_s, torchrun_static_rendezvous_timeout_s
     page = "workshop/session-c/demo.md"
-    from torch.distributed.elastic.rendezvous import static_tcp_rendezvous
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import RendezvousTimeout
-    [(line, (static,))] = stated(page, r"the static rendezvous waits `_default_timeout_seconds = (\d+)` seconds")
-    assert int(static) == static_tcp_rendezvous._default_timeout_seconds, f"docs/{page}:{line}"
+    for name in ("PET_RDZV_CONF", "PET_RDZV_BACKEND", "PET_NNODES", "PET_NODE_RANK"):
+        monkeypatch.delenv(name, raising=False)  # torchrun's flag defaults
+    [(line, (passed, set_to, own))] = stated(
+        page, r"Without it torchrun passes `timeout=(\d+)` itself: `LaunchConfig\.__post_init__` in"
+              r" `torch/distributed/launcher/api\.py` sets `rdzv_configs\[\"timeout\"\] = (\d+)` when the command"
+              r" names none, and the static rendezvous uses that in place of its own `_default_timeout_seconds = (\d+)`")
+    torchrun = torchrun_static_rendezvous_timeout_s(tmp_path)
+    assert int(passed) == int(set_to) == torchrun, f"docs/{page}:{line}: torchrun gives the static rendezvous {torchrun} s"
+    assert int(own) == static_rendezvous_timeout_s() != torchrun, f"docs/{page}:{line}"
+    stated(page, r"c10d does not read the\s+`timeout` key that torchrun fills in")
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+    assert 'get_as_int(key + "_timeout")' in inspect.getsource(dynamic_rendezvous._get_timeout)
     [(line, (join,))] = stated(page, r"Here the bound is `join_timeout`, `(\d+)` seconds unless `--rdzv_conf`")
     assert int(join) == RendezvousTimeout().join.total_seconds(), f"docs/{page}:{line}"
+
+
+def test_flight_recorder_dump_on_timeout_is_on_by_default():
+    # gpu-operations.md and environment-variables.md: TORCH_NCCL_DUMP_ON_TIMEOUT need not be set.
+    # Its default is compiled into ProcessGroupNCCL.cpp, which the CPU wheel does not ship
+    # (upstream: `dumpOnTimeoutOrEx_ = getCvarBool(TORCH_NCCL_DUMP_ON_TIMEOUT, true)` in
+    # HeartbeatMonitor's constructor). What the wheel does ship: the header that declares the
+    # variable and the HeartbeatMonitor's flag, and torch's own test that must switch the dump
+    # off, which it would not need to if the default were off. (The buffer's default, 2000, is
+    # checked by tests/test_facts.py::test_flight_recorder_default_buffer.)
+    from tests.test_facts import TORCH_DIR, all_pages
+    stated("workshop/session-c/gpu-operations.md",
+           r"Both are on by default, so there is nothing to set .* the dump's default is `true` in"
+           r" `ProcessGroupNCCL\.cpp`\); `TORCH_NCCL_DUMP_ON_TIMEOUT=0` switches the dump off")
+    stated("workshop/session-c/gpu-operations.md", r"`TORCH_NCCL_DUMP_ON_TIMEOUT` is on unless set to `0`")
+    stated("reference/environment-variables.md", r"`TORCH_NCCL_DUMP_ON_TIMEOUT`\s+\(default on\)")
+    stated("reference/environment-variables.md", r"torch's own `testing/_internal/distributed/distributed_test\.py`"
+                                                 r" has to set it to `0`")
+    header = (TORCH_DIR / "include/torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp").read_text()
+    assert 'static std::vector<std::string> TORCH_NCCL_DUMP_ON_TIMEOUT = {\n    "TORCH_NCCL_DUMP_ON_TIMEOUT"};' in header
+    assert "class HeartbeatMonitor {" in header and "bool dumpOnTimeoutOrEx_;" in header
+    tests = _source_of("torch", "testing/_internal/distributed/distributed_test.py")
+    assert "# Need to disable TORCH_NCCL_DUMP_ON_TIMEOUT otherwise this test times out" in tests
+    assert 'os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "0"' in tests
+    # No page presents setting it to 1 as a step: it is already on.
+    told = [f"{page.relative_to(ROOT)}:{n}"
+            for page in all_pages() for n, text in enumerate(page.read_text(encoding="utf-8").splitlines(), 1)
+            if "TORCH_NCCL_DUMP_ON_TIMEOUT=1" in text]
+    assert not told, f"pages that tell readers to set TORCH_NCCL_DUMP_ON_TIMEOUT=1, its default: {told}"
 
 
 def test_monitored_barrier_stops_at_the_first_missing_rank_by_default():
@@ -606,6 +669,82 @@ def test_deepspeed_optimizer_choice_shm_and_buffer_factor():
                stage3.estimate_zero3_model_states_mem_needs_all_cold):
         assert inspect.signature(fn).parameters["additional_buffer_factor"].default == float(factor), \
             f"docs/{page}:{line}: {fn.__name__}"
+
+
+def test_deepspeed_cuda_check_compares_major_and_minor(monkeypatch, capsys):
+    # gpu-operations.md (and the Dockerfile's comment): DeepSpeed's op builder compares nvcc's
+    # major.minor with torch.version.cuda, forgives a minor mismatch only within its table (CUDA
+    # 10-12), and DS_SKIP_CUDA_CHECK=1 skips it. Run on faked versions: no nvcc is needed.
+    import importlib.metadata
+    page = "workshop/session-c/gpu-operations.md"
+    [(line, (version,))] = stated(page, r"DeepSpeed\s+compares major \*and\* minor \(`assert_no_cuda_mismatch` in"
+                                        r" `deepspeed/ops/op_builder/builder\.py`,\s+DeepSpeed ([\d.]+)\)")
+    assert importlib.metadata.version("deepspeed") == version, f"docs/{page}:{line}"
+    from deepspeed.ops.op_builder import builder
+    [(line, tables)] = stated(page, r"`cuda_minor_mismatch_ok`, which lists CUDA (\d+), (\d+) and (\d+)")
+    assert sorted(builder.cuda_minor_mismatch_ok) == [int(v) for v in tables], f"docs/{page}:{line}"
+
+    def accepts(nvcc: str, torch_cuda: str, skip: bool = False) -> bool:
+        monkeypatch.setattr(builder, "installed_cuda_version", lambda name="": tuple(map(int, nvcc.split("."))))
+        monkeypatch.setattr(builder.torch.version, "cuda", torch_cuda)
+        monkeypatch.setenv("DS_SKIP_CUDA_CHECK", "1" if skip else "0")
+        try:
+            return builder.assert_no_cuda_mismatch("test")
+        except builder.CUDAMismatchException:
+            return False
+
+    [(line, (nvcc, built))] = stated(page, r"nvcc (\d+\.\d+) with a PyTorch built for (\d+\.\d+) is accepted")
+    assert nvcc != built and accepts(nvcc, built), f"docs/{page}:{line}"
+    [(line, (major, exact))] = stated(page, r"CUDA (\d+) is not in the table, so a\s+`cu130` PyTorch needs nvcc"
+                                            r" (\d+\.\d+) exactly, or `DS_SKIP_CUDA_CHECK=1`")
+    assert int(major) not in builder.cuda_minor_mismatch_ok and exact == "13.0", f"docs/{page}:{line}"
+    assert accepts(exact, "13.0") and not accepts("13.1", "13.0") and not accepts("12.9", "13.0"), \
+        f"docs/{page}:{line}: the same major with another minor is refused"
+    assert accepts("13.1", "13.0", skip=True), f"docs/{page}:{line}: DS_SKIP_CUDA_CHECK=1"
+    capsys.readouterr()  # the check's own messages
+    stated(page, r"DeepSpeed compares major\.minor, and forgives a\s+minor difference only for CUDA 10-12")
+    stated(page, r"DeepSpeed's check\s+compares both, and allows no minor mismatch for CUDA 13")
+    dockerfile = (ROOT / "snippets/cluster/Dockerfile").read_text()
+    assert "tolerates a minor mismatch only for CUDA 10-12, so torch's cu130 needs 13.0 here" in dockerfile
+    assert "ARG CUDA_IMAGE=nvidia/cuda:13.0." in dockerfile  # the image's nvcc: 13.0, as the check needs
+
+
+def test_zero_checkpoint_at_another_dp_size_needs_universal_checkpointing():
+    # deepspeed.md and checkpoints-and-logs.md: engine.load_checkpoint refuses optimizer states at
+    # another DP size (though the stage-1/2 loader's docstring allows it); ds_to_universal and
+    # "load_universal" are the way to change the layout. Read from DeepSpeed 0.19.8's source; the
+    # whole path (save on 2 ranks, refused on 1 and 4, converted, loaded on 1 and 4 with the same
+    # weights and Adam moments) was run once by hand for the ZeRO-2 tiny GPT.
+    import ast
+    import importlib.metadata
+    page = "workshop/session-c/deepspeed.md"
+    [(line, (message, version))] = stated(
+        page, r"at another it raises `ZeRORuntimeException` \(\"(Automatic\s+adjustment of ZeRO's optimizer state"
+              r" partitioning with a new world size is not currently\s+supported)\", `_load_zero_checkpoint` in"
+              r" `deepspeed/runtime/engine\.py`, DeepSpeed ([\d.]+)\)")
+    assert importlib.metadata.version("deepspeed") == version, f"docs/{page}:{line}"
+    tree = ast.parse(engine := _source_of("deepspeed", "runtime/engine.py"))
+    [load] = [f for f in ast.walk(tree) if isinstance(f, ast.FunctionDef) and f.name == "_load_zero_checkpoint"]
+    load = ast.get_source_segment(engine, load)
+    refusal = re.sub(r'"\s*\\?\s*f?"', "", load)  # the message's pieces, joined
+    assert "if load_optimizer_states and self.seq_dp_world_size != self.loaded_checkpoint_dp_world_size:" in load
+    assert "raise ZeRORuntimeException" in load and " ".join(message.split()) in refusal, f"docs/{page}:{line}"
+    assert load.index("if self.load_universal_checkpoint():") < load.index("raise ZeRORuntimeException")
+    stated(page, r"The\s+stage-1/2 optimizer's own loader is written for a changed DP size \(the docstring of\s+"
+                 r"`_load_legacy_checkpoint` in `deepspeed/runtime/zero/stage_1_and_2\.py`\)")
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    doc = re.sub(r"\s+", " ", inspect.getdoc(DeepSpeedZeroOptimizer._load_legacy_checkpoint))
+    assert "to support changing GPU count, specifically DP world size, between saving and loading" in doc
+    [(line, (flag,))] = stated(page, r"`python -m deepspeed\.checkpoint\.ds_to_universal --input_folder \S+"
+                                     r" --output_folder \S+ (--\w+)`")
+    to_universal = _source_of("deepspeed", "checkpoint/ds_to_universal.py")
+    assert f"parser.add_argument('{flag}'" in to_universal, f"docs/{page}:{line}"
+    assert "Required {UNIVERSAL_CHECKPOINT_INFO} state is missing in checkpoint" in to_universal
+    [(line, (key,))] = stated(page, r'`"checkpoint": \{"(\w+)": true\}` in the new job\'s config loads it')
+    from deepspeed.runtime import constants
+    assert (constants.CHECKPOINT, constants.LOAD_UNIVERSAL_CHECKPOINT) == ("checkpoint", key), f"docs/{page}:{line}"
+    stated("workshop/session-c/checkpoints-and-logs.md",
+           r"DeepSpeed's `engine\.load_checkpoint` refuses\s+the same way when the data-parallel size has changed")
 
 
 def test_torch_default_inits_of_embedding_and_linear():

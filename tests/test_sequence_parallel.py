@@ -6,7 +6,7 @@ Each world size is spawned once (a module-scoped fixture) and every test reads i
 
 import pytest
 import torch
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import Partial, Replicate, Shard
 
 from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
@@ -93,7 +93,9 @@ def dtensor_sp(rank, world_size):
     logits, loss, grads = dtensor_first_step(model, BATCHES[0])
     return {"logits": logits.full_tensor().detach(), "loss": loss.full_tensor().item(),
             "grads": grads, "tied": model.lm_head.weight is model.embed_tokens.weight,
-            "placements": {n: p.placements for n, p in model.named_parameters()}}
+            "placements": {n: p.placements for n, p in model.named_parameters()},
+            "grad_placements": {n: p.grad.placements for n, p in model.named_parameters()},
+            "local_norm_grad": model.layers[0].input_layernorm.weight.grad.to_local().clone()}
 
 
 def bad_length_message():
@@ -264,4 +266,12 @@ def test_dtensor_sp_with_loss_parallel_equals_scratch_and_single_device(ranks, s
             assert_close(ours["grads"][name], g, f"gradient of {name}", g.abs().max().item())
             assert_close(ours["grads"][name], scratch[name], f"{name} vs scratch",
                          g.abs().max().item())
+        # After backward a norm's gradient is still Partial(sum): each rank holds its own
+        # tokens' part, and DTensor adds them only when the tensor is redistributed
+        # (full_tensor() in first_step; the optimizer's update of the Replicate weight).
+        assert ours["grad_placements"]["layers.0.input_layernorm.weight"] == (Partial("sum"),)
+    local = [r["dtensor"]["local_norm_grad"] for r in ranks[2]]
+    whole = single_device["grads"]["layers.0.input_layernorm.weight"]
+    assert (local[0] - local[1]).abs().max() > 0.1 * whole.abs().max()  # each rank: its part
+    assert_close(local[0] + local[1], whole, "the two ranks' local parts, added", whole.abs().max().item())
 # --8<-- [end:tests-dtensor]

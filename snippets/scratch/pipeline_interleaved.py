@@ -114,8 +114,8 @@ def simulate(orders: dict, num_chunks: int, num_micro_batches: int, duration=Non
 def run_interleaved(chunks: dict, actions: list, rank: int, num_ranks: int, micro_inputs: list,
                     micro_targets: list, loss_fn, activation_shape: tuple):
     """Run one step's actions on this rank's chunks. Chunk c sends its output to rank (c + 1) % p,
-    its input gradient to rank (c - 1) % p, tagged with the action that receives it, so the v
-    streams between two ranks cannot mix. Returns (mean loss on the last chunk's rank, trace)."""
+    its input gradient to rank (c - 1) % p, tagged with the action that receives it (a safeguard:
+    same-tag messages arrive in order anyway). Returns (mean loss on the last rank, trace)."""
     p, m, last = num_ranks, len(micro_inputs), num_ranks * len(chunks) - 1
     trace = StageTrace(rank)  # events: (kind, (chunk, micro-batch), start, end)
     held = {}  # (chunk, micro-batch) -> (input, output, activation send or output gradient)
