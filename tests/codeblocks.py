@@ -396,6 +396,14 @@ class MarkdownPage(pytest.File):
                         f"{where}:{block.lineno}: <!--pytest.mark.{m.name}(...)--> needs a reason: "
                         f'write <!--pytest.mark.{m.name}(reason="why it cannot run here")-->'
                     )
+            if block.expected_output is not None and names & {"skip", "skipif", "excerpt"}:
+                # pytest-codeblocks attaches an output to the block before it: after a block
+                # that never runs, the output is shown and compared with nothing.
+                raise BlockError(
+                    f"{where}:{block.lineno}: this block is {', '.join(sorted(names))}, so the "
+                    "expected-output block after it is never compared; move the output (and its "
+                    "marker) right after the block that prints it"
+                )
             if "excerpt" in names:
                 kind = "excerpt"
                 EXCERPT_MODULES.update(

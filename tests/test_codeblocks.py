@@ -336,3 +336,25 @@ def test_expected_output_with_a_numeric_tolerance(tmp_path):
     assert "2 failed, 2 passed" in result.stdout, result.stdout[-3000:]
     assert "page 4.7800, got 4.8800: differs by 0.1 > bound 0.0478" in result.stdout
     assert "the text around the numbers differs" in result.stdout  # step 21: an integer
+
+
+def test_expected_output_after_a_block_that_never_runs_is_refused(tmp_path):
+    """pytest-codeblocks attaches an output to the block before it: after a skipped block (the
+    4-GPU tab of a page, say), the output would be shown and compared with nothing."""
+    result = run_pages(tmp_path, page="""
+        ```bash
+        echo 1
+        ```
+
+        <!--pytest.mark.skip(reason="needs 4 GPUs")-->
+        ```bash
+        echo 2
+        ```
+
+        <!--pytest-codeblocks:expected-output-->
+        ```text
+        1
+        ```
+        """)
+    assert result.returncode != 0
+    assert "expected-output block after it is never compared" in result.stdout
