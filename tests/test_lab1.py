@@ -139,6 +139,30 @@ def test_attention_maps_are_the_probabilities_the_model_uses():
     assert len(summary) == 8 and all(0 <= r["self"] <= 1 for r in summary)
 
 
+def test_trends_say_what_the_tables_show():
+    # Norms that grow, moves that shrink tenfold, a layer 0 that looks at the last two bytes
+    # and a layer 1 that looks further back: Lab 1's run in miniature, every statement True.
+    rows = [{"norms": {"embed": e}, "moved": m} for e, m in [(1.0, None), (2.0, 0.5), (3.0, 0.04)]]
+    attention = [{"layer": 0, "head": 0, "distance": 1.0, "self": 0.4, "previous": 0.2},
+                 {"layer": 0, "head": 1, "distance": 1.5, "self": 0.3, "previous": 0.3},
+                 {"layer": 1, "head": 0, "distance": 3.0, "self": 0.1, "previous": 0.1}]
+    assert list(inspect.trends(rows, attention).values()) == [True] * 4
+
+    # Each statement turns False when its table says otherwise, at the threshold itself too.
+    def statements(rows=rows, attention=attention):
+        return list(inspect.trends(rows, attention).values())
+    dipped = [dict(r, norms={"embed": e}) for r, e in zip(rows, [1.0, 3.0, 2.0])]
+    assert statements(rows=dipped) == [False, True, True, True]
+    tenth = [dict(r, moved=m) for r, m in zip(rows, [None, 0.5, 0.05])]
+    assert statements(rows=tenth) == [True, False, True, True]
+    assert statements(rows=rows[:2]) == [True, False, True, True]  # one move: nothing to compare
+    assert statements(rows=rows[:1]) == [True, False, True, True]  # one checkpoint, no move
+    half = [dict(attention[0], previous=0.1)] + attention[1:]
+    assert statements(attention=half) == [True, True, False, True]
+    near = attention[:2] + [dict(attention[2], distance=1.25)]  # layer 0's mean distance
+    assert statements(attention=near) == [True, True, True, False]
+
+
 def test_held_out_line_is_validation_text(run_dir):
     line = inspect.held_out_line(run_dir, 64)
     assert line.startswith("record") and len(line) <= 64
@@ -154,6 +178,7 @@ def test_inspect_command_writes_both_pictures(run_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "3 checkpoints in" in out and "L1.mlp" in out and "mean distance" in out
     assert "attention of step 15 on 'name=ana'" in out
+    assert "the embedding's norm grew at every checkpoint: " in out  # the first of the trends
     for name in ("weight_norms.png", "attention.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG
 

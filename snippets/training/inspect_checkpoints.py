@@ -4,8 +4,9 @@
 
 For every checkpoint in RUN/checkpoints/ it prints the step, the validation loss logged at
 that step (from RUN/metrics.jsonl, when there is one), the norm of each layer's attention and
-MLP weights, and how far all the weights moved since the previous checkpoint. It saves two
-pictures in RUN (or --out):
+MLP weights, and how far all the weights moved since the previous checkpoint; then the
+attention of the newest checkpoint, and four yes/no statements about what the tables show. It
+saves two pictures in RUN (or --out):
 
 * weight_norms.png: those norms and that movement against the training step;
 * attention.png: the attention probabilities of every head of every layer in the newest
@@ -149,6 +150,29 @@ def inspect_run(run_dir: Path) -> dict:
     return {"rows": rows, "model": model.eval(), "config": config}
 
 
+def trends(rows: list[dict], attention: list[dict]) -> dict[str, bool]:
+    """What the two tables show, as yes/no statements about this one run. The tables' digits
+    are this machine's (other CPU kernels add in another order, and a long run ends with other
+    weights); the statements are about the shape of training, with thresholds far from where
+    Lab 1's runs land, so they read the same whatever the digits."""
+    embed = [r["norms"]["embed"] for r in rows]
+    moved = [r["moved"] for r in rows if r["moved"] is not None]
+    distance = {}  # layer -> mean distance over its heads
+    for r in attention:
+        distance.setdefault(r["layer"], []).append(r["distance"])
+    distance = {layer: sum(d) / len(d) for layer, d in distance.items()}
+    return {
+        "the embedding's norm grew at every checkpoint":
+            all(a < b for a, b in zip(embed, embed[1:])),
+        "the weights moved less than a tenth as far in the last stretch as in the first":
+            len(moved) >= 2 and moved[-1] < moved[0] / 10,
+        "every layer-0 head puts over half its attention on its own or the previous byte":
+            all(r["self"] + r["previous"] > 0.5 for r in attention if r["layer"] == 0),
+        "every later layer looks further back than layer 0 (mean distance over its heads)":
+            all(d > distance[0] for layer, d in distance.items() if layer > 0),
+    }
+
+
 def format_table(rows: list[dict]) -> str:
     groups = list(rows[0]["norms"])
     header = f"{'step':>5} {'val loss':>8} " + " ".join(f"{g:>8}" for g in groups)
@@ -233,9 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     plot_attention(maps, text, rows[-1]["step"], out / "attention.png")
     print(f"\nattention of step {rows[-1]['step']} on {text!r}:")
     print("layer head  mean distance  on itself  on previous")
-    for r in attention_summary(maps):
+    attention = attention_summary(maps)
+    for r in attention:
         print(f"{r['layer']:>5} {r['head']:>4} {r['distance']:>14.1f} {r['self']:>10.0%} "
               f"{r['previous']:>12.0%}")
+    print()
+    for statement, holds in trends(rows, attention).items():
+        print(f"{statement}: {holds}")
     print(f"wrote {out / 'weight_norms.png'}, {out / 'attention.png'}")
     return 0
 
