@@ -725,6 +725,52 @@ def test_a_deadlocked_ring_fails_in_seconds_naming_the_ranks_and_leaves_no_proce
         assert not os.path.exists(f"/proc/{pid}"), pid
 
 
+# chunk splits the first dimension: a 3 x 4 tensor gives 3 rows, not 4 pieces. Ranks 0 and 3
+# index chunk 3 and raise IndexError; ranks 1 and 2 wait in the ring for them.
+RING_CHUNK_TOO_FEW = ring(("chunks = list(tensor.view(-1).tensor_split(world))",
+                           "chunks = list(tensor.chunk(world))"))
+
+
+def raised_at(learner: Path, code: str, function: str) -> str:
+    """`at <file> line N, in function: code`, as runner._describe names the learner's line."""
+    n, text = next((n, t) for n, t in enumerate(learner.read_text().splitlines(), 1)
+                   if code in t)
+    return f"at {learner} line {n}, in {function}: {text.strip()}"
+
+
+def line_of(learner: Path, code: str) -> int:
+    return next(n for n, t in enumerate(learner.read_text().splitlines(), 1) if code in t)
+
+
+def test_a_rank_that_raised_is_reported_with_its_error_not_as_finished(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from snippets.exercises import gang
+
+    monkeypatch.setattr(gang, "STUCK_AFTER_S", 2.0)  # as for ZeRO and MoE below
+    start = time.monotonic()
+    result = run_check(catalog.get(16), workspace_with(tmp_path, {
+        "ring-all-reduce": RING_CHUNK_TOO_FEW}))
+    assert result.status == "FAIL", result
+    assert_reported_by_the_watchdog(time.monotonic() - start, 2.0)
+    learner, message = tmp_path / catalog.COLLECTIVES_FILE, result.message
+    # Rank 0 reads chunk 3 to add into it, rank 3 sends chunk 3: each with its own line.
+    assert ("rank 0 raised IndexError: list index out of range\n  " + raised_at(
+        learner, "chunks[recv_index] += exchange", "ring_all_reduce")) in message, message
+    assert ("rank 3 raised IndexError: list index out of range\n  " + raised_at(
+        learner, "dist.isend(chunks[send_index], right)", "exchange")) in message, message
+    # The others are named where they wait, as what the error left behind, not as its cause.
+    assert ("rank 1 is stuck in recv (your collectives.py line "
+            f"{line_of(learner, 'dist.recv(received, left)')}: dist.recv(received, left))"
+            in message), message
+    assert "rank 2 is stuck in " in message, message
+    assert "finished" not in message, message
+    assert "only some ranks call" not in message, message
+    for pid in gang.LAST_PIDS:  # killed and reaped: no process is left behind
+        assert not os.path.exists(f"/proc/{pid}"), pid
+
+
 def edited(code: str, *edits: tuple[str, str]) -> str:
     for old, new in edits:
         assert old in code, old
@@ -999,8 +1045,10 @@ ZERO_MOE_DEADLOCKS = {
     # the learner's call of it)
     22: ("zero2", ZERO2_RANK_0_ONLY, "self.comm.reduce_scatter(received, bucket.flat_grad())",
          "reduce_scatter_single", (0,), "every rank calls the same collectives in the same order"),
+    # (rank 1, which never gathers, raises in backward on its freed parameter: that error is
+    # reported, not a rank that "finished")
     23: ("zero3", ZERO3_RANK_0_ONLY, "self.comm.all_gather(self.flat.full, self.shard.detach())",
-         "all_gather_single", (0,), "rank 1 finished while the others wait"),
+         "all_gather_single", (0,), "rank 1 raised RuntimeError: setStorage"),
     24: ("dispatch", MOE_RECV_FIRST, "dist.recv(rows[peer], peer)", "recv", (0, 1),
          "every rank waits to receive and none is sending"),
 }
@@ -1045,6 +1093,33 @@ def test_a_collective_on_one_rank_in_tensor_parallel_fails_in_seconds(tmp_path):
     assert_reported_by_the_watchdog(time.monotonic() - start, gang.STUCK_AFTER_S)
     assert "rank 0 is stuck in all_reduce (your tensor_parallel.py line" in result.message
     assert "rank 1 finished while the others wait" in result.message, result.message
+
+# Rank 1 indexes a one-entry list by its rank and raises inside g's forward; the check's
+# worker catches the error (to report it with the weights), so the rank returns, while rank 0
+# waits in g's all-reduce.
+G_INDEXES_BY_RANK = edited(F_AND_G, ('        stats.record("forward", total)',
+                                     '        stats.record("forward", [total][dist.get_rank()])'))
+
+
+def test_an_error_a_worker_caught_while_a_peer_waits_is_reported_not_finished(tmp_path,
+                                                                              monkeypatch):
+    import time
+
+    from snippets.exercises import gang
+
+    monkeypatch.setattr(gang, "STUCK_AFTER_S", 2.0)  # as for ZeRO and MoE above
+    start = time.monotonic()
+    result = run_check(catalog.get(19), workspace_with(tmp_path, {"f-and-g": G_INDEXES_BY_RANK}))
+    assert result.status == "FAIL", result
+    assert_reported_by_the_watchdog(time.monotonic() - start, 2.0)
+    learner, message = tmp_path / catalog.TP_FILE, result.message
+    assert ("rank 1 raised IndexError: list index out of range\n  " + raised_at(
+        learner, '[total][dist.get_rank()]', "forward")) in message, message
+    assert ("rank 0 is stuck in all_reduce (your tensor_parallel.py line "
+            f"{line_of(learner, 'dist.all_reduce(total, group=group)')}: "
+            "dist.all_reduce(total, group=group))") in message, message
+    assert "finished" not in message, message
+
 
 def test_a_bucket_reduced_on_one_rank_only_fails_fast_naming_the_rank(tmp_path, monkeypatch):
     import os
@@ -1241,11 +1316,14 @@ def test_3d_groups_created_in_different_orders_are_named_without_processes(tmp_p
     assert gang.LAST_PIDS == []
 
 SP_3D_DEADLOCKS = {
-    # exercise: (section, code, the line each waiting rank is named in, its call, who waits,
-    # the cause the check gives)
-    25: ("replicated-grads", SP_RANK_0_ONLY, "dist.all_reduce(grad, group=group)", "all_reduce",
+    # exercise: (how the report starts, section, code, the line each waiting rank is named in,
+    # its call, who waits, the cause the check gives)
+    25: ("a deadlock: after 2 s these ranks are still waiting",
+         "replicated-grads", SP_RANK_0_ONLY, "dist.all_reduce(grad, group=group)", "all_reduce",
          (0,), "rank 1 finished while the others wait"),
-    26: ("mesh", MESH_RANK_0_ONLY,
+    # Ranks 1-3 create no group: the check's worker raises on their empty dict of groups.
+    26: ("on 4 processes, ranks 1, 2, 3 raised KeyError: 'tp'\n  Left waiting for them:",
+         "mesh", MESH_RANK_0_ONLY,
          "group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))", "new_group",
          (0,), "Why: new_group not called on every rank in the same order"),
 }
@@ -1259,13 +1337,13 @@ def test_a_deadlocked_sp_or_3d_answer_fails_fast_naming_the_ranks(number, tmp_pa
     from snippets.exercises import gang
 
     monkeypatch.setattr(gang, "STUCK_AFTER_S", 2.0)  # as for ZeRO and MoE above
-    section, code, line_text, op, waiting, cause = SP_3D_DEADLOCKS[number]
+    head, section, code, line_text, op, waiting, cause = SP_3D_DEADLOCKS[number]
     ex = catalog.get(number)
     start = time.monotonic()
     result = run_check(ex, workspace_with(tmp_path, {section: code}))
     assert result.status == "FAIL", result
     assert_reported_by_the_watchdog(time.monotonic() - start, 2.0)
-    assert "a deadlock: after 2 s these ranks are still waiting" in result.message
+    assert result.message.startswith(head), result.message
     name = Path(ex.file).name
     line = next(n for n, text in enumerate((tmp_path / ex.file).read_text().splitlines(), 1)
                 if line_text in text)

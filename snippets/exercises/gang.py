@@ -12,7 +12,9 @@ each rank's value, or raises `Stuck` / `RankFailed` with a message the learner c
   stuck_after_s + a margin), then kills every process and waits for it, so none outlives the
   check;
 - from the stacks, `Stuck` names each waiting rank, the torch.distributed call it is in, the line
-  of the learner's file that made it, and the likely cause.
+  of the learner's file that made it, and the likely cause;
+- a rank that raised while others wait is a `RankFailed`: its error and line first, then where
+  the others were left waiting for it (never "finished", which would blame a collective).
 
 What each rank printed is kept (per rank) and shown with a failure.
 """
@@ -189,11 +191,18 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
                 results[r] = None  # stuck, whatever it did after its stack was written
             elif res and res[0] == "error" and "Connection closed by peer" in res[1]:
                 results[r], stacks[r] = None, raised[r]  # a peer crashed while it waited
+        # A rank that raised never makes the calls its peers wait in: its error is what went
+        # wrong, and their wait follows from it. Report the error, not a rank that "finished".
+        failed = {r: text for r, res in enumerate(results) if (text := _raised(res))}
+        if failed:
+            raise RankFailed(f"{_raised_message(world, failed)}\n  Left waiting for "
+                             f"{'it' if len(failed) == 1 else 'them'}:\n  "
+                             + "\n  ".join(_waiting(path, results, stacks)) + shown)
         raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
-    errors = [(r, res[1]) for r, res in enumerate(results) if res and res[0] == "error"]
-    if errors:
-        rank, text = errors[0]
-        raise RankFailed(f"on {world} processes, rank {rank} raised {text}{shown}")
+    # Nobody waits: a worker's own report of what it caught goes back to its check.
+    failed = {r: res[1] for r, res in enumerate(results) if res and res[0] == "error"}
+    if failed:
+        raise RankFailed(_raised_message(world, failed) + shown)
     if any(res is None for res in results):
         raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
     return [res[1] for res in results]
@@ -244,18 +253,45 @@ def where_stuck(stack: str, path: Path) -> tuple[str, str]:
     return op, f"line {line}: {code}"
 
 
-def _stuck_message(path, results, stacks, stuck_after_s) -> str:
-    done = [r for r, res in enumerate(results) if res is not None]
-    waiting = [r for r, res in enumerate(results) if res is None]
-    lines, ops = [], set()
-    for r in waiting:
+def _raised(result) -> str | None:
+    """The error a rank's learner code raised: the one that ended the worker, or the one the
+    worker caught and returned under "error" (the checks do, to report it with its step)."""
+    if not result:
+        return None
+    kind, value = result
+    if kind == "error":
+        return value
+    caught = value.get("error") if isinstance(value, dict) else None
+    return caught if isinstance(caught, str) else None
+
+
+def _raised_message(world: int, failed: dict[int, str]) -> str:
+    """'on W processes, rank R raised <error>', with each rank's own error and line: ranks
+    that raised the same error at the same line are named together."""
+    ranks_by_error: dict[str, list[int]] = {}
+    for r, text in failed.items():
+        ranks_by_error.setdefault(text, []).append(r)
+    return f"on {world} processes, " + "\n  ".join(
+        f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} raised {text}"
+        for text, ranks in ranks_by_error.items())
+
+
+def _waiting(path, results, stacks) -> list[str]:
+    """'rank R is stuck in <call> (your file line N: code)' for each rank with no result."""
+    lines = []
+    for r in (r for r, res in enumerate(results) if res is None):
         op, where = where_stuck(stacks[r], path)
-        ops.add(op)
         lines.append(f"rank {r} is stuck in {op or 'your code'}"
                      + (f" ({where})" if where == "not in your file" else
                         f" (your {Path(path).name} {where})" if where else ""))
+    return lines
+
+
+def _stuck_message(path, results, stacks, stuck_after_s) -> str:
+    done = [r for r, res in enumerate(results) if res is not None]
+    ops = {where_stuck(stacks[r], path)[0] for r, res in enumerate(results) if res is None}
     head = (f"a deadlock: after {stuck_after_s:.0f} s these ranks are still waiting\n  "
-            + "\n  ".join(lines))
+            + "\n  ".join(_waiting(path, results, stacks)))
     if done:
         cause = (f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished "
                  "while the others wait: a collective or a send/recv that only some ranks "
