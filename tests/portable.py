@@ -15,9 +15,9 @@ supported when avx512 is supported`.
     python -m tests.portable --list          the families and their settings
 
 Each family runs `pytest --portable` with the family's variables, and the run ends with each
-family's kernels, time and outcome. Extra pytest arguments follow `--`. `--portable` is this
-module's option (pyproject.toml loads it as a pytest plugin, `-p tests.portable`): it keeps the
-pages with checked output and every test not marked `kernel_independent`.
+family's kernels, time and outcome. Extra pytest arguments follow `--`. `--portable` is the
+option of tests/portable_select.py (a pytest plugin, loaded by pyproject.toml): it keeps the pages
+with checked output and every test not marked `kernel_independent`.
 """
 
 from __future__ import annotations
@@ -56,38 +56,6 @@ FAMILIES = {
 DEFAULT_RUN = ("default", "avx2", "threads2")
 PROBE = ("import torch; print(torch.backends.cpu.get_cpu_capability(), "
          "torch.get_num_threads())")
-
-
-def pytest_addoption(parser):
-    parser.addoption("--portable", action="store_true",
-                     help="only what a CPU's kernels can change: the pages with checked output "
-                          "and the tests not marked kernel_independent (make test-portable)")
-
-
-def pytest_collection_modifyitems(config, items):
-    if config.getoption("portable"):
-        kept, dropped = [], []
-        for item in items:
-            (kept if portable(item) else dropped).append(item)
-        if dropped:
-            config.hook.pytest_deselected(items=dropped)
-            items[:] = kept
-
-
-def page_checks_output(path: Path, _cache: dict = {}) -> bool:
-    if path not in _cache:
-        _cache[path] = "pytest-codeblocks:expected-output" in path.read_text()
-    return _cache[path]
-
-
-def portable(item) -> bool:
-    """A page block runs under every family when its page checks an output (a later block may
-    check what an earlier one wrote); a test, unless its file is marked kernel_independent: the
-    marker says why nothing it asserts can depend on which kernels ran."""
-    path = Path(str(item.path))
-    if path.suffix == ".md":
-        return page_checks_output(path)
-    return item.get_closest_marker("kernel_independent") is None
 
 
 def family_env(name: str) -> dict:
