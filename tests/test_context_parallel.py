@@ -228,7 +228,7 @@ def test_saved_activations_per_rank_match_formula_one_process_and_planner(
     # no MLP (intermediate_size 0); it divides the share by tp, so twice the drop from tp=1
     # to tp=2 is the share alone.
     model = {**cm.MODELS["tiny"], "hidden_size": HEADS * HEAD_DIM, "num_attention_heads": HEADS,
-             "intermediate_size": 0}
+             "num_key_value_heads": HEADS, "intermediate_size": 0}
     plan = dict(precision="fp32", recompute=False, micro_batch_size=BATCH, seq_len=SEQ,
                 cp=world_size, sp=False)
     planner = 2 * (cm.activation_bytes_per_layer(model, {**plan, "tp": 1})

@@ -4,6 +4,7 @@ published figures."""
 import json
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
 from snippets.planner import cost_model as cm
 from snippets.planner.flops import training_flops_per_token
 from snippets.planner.memory import measure_activation_bytes
+from snippets.planner.__main__ import model_of, parse_args
 from snippets.planner.to_js import SOURCE, Unsupported, translate
+from tests.test_planner_published import gpt3
 
 COURSE_MODELS = ["tiny", "small", "medium", "gpt2-small"]
 
@@ -70,15 +73,15 @@ def test_activation_model_matches_saved_tensors_of_the_real_model(recompute):
     tokens = torch.randint(0, config.vocab_size, (4, 65))
     measured = measure_activation_bytes(gpt, *shift_for_next_token(tokens))
     predicted = cm.activation_bytes(model, plan(micro_batch_size=4, seq_len=64,
-                                                recompute=recompute))
+                                                recompute=recompute), 0)
     assert predicted == pytest.approx(measured, rel=0.02), (predicted, measured)
 # --8<-- [end:activation-test]
 
 
 def test_pipeline_in_flight_micro_batches_and_bubble():
     model = cm.MODELS["medium"]  # 6 layers
-    gpipe = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="gpipe"))
-    one_f_one_b = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="1f1b"))
+    gpipe = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="gpipe"), 0)
+    one_f_one_b = cm.activation_bytes(model, plan(pp=3, micro_batches=8, schedule="1f1b"), 0)
     assert gpipe / one_f_one_b == pytest.approx(8 / 3)
     cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
     r = cm.plan_training(model, plan(pp=3, micro_batches=8), cluster)
@@ -199,3 +202,123 @@ def test_generated_javascript_gives_the_python_numbers_for_the_new_options():
         assert js["fits"] is expected["fits"]
         assert js["model_flops_utilization"] == pytest.approx(
             expected["model_flops_utilization"], rel=1e-12)
+
+
+def test_attention_activations_count_the_key_value_width():
+    # Grouped-query attention: k and v are num_key_value_heads x head_dim wide, not hidden.
+    # Llama 70B: 8 KV heads of 128, so per token k and v save 2 x (8192 - 1024) elements fewer.
+    gqa = cm.MODELS["llama-70b"]
+    mha = {**gqa, "num_key_value_heads": 64}
+    p = plan(precision="bf16", seq_len=4096, tp=8)
+    saved = cm.activation_bytes_per_layer(mha, p) - cm.activation_bytes_per_layer(gqa, p)
+    assert saved == 4096 * 2 * (8192 - 1024) * 2 / 8
+
+
+def test_llama3_split_puts_one_layer_fewer_on_the_first_and_last_stage():
+    # Llama 3 paper, section 3.3.2: 126 layers on 16 stages, "we reduce one Transformer layer
+    # each from the first and the last stages": 7 + 14 x 8 + 7.
+    model = cm.MODELS["llama-405b"]
+    p = plan(pp=16, precision="bf16")
+    assert cm.stage_layers(model, p) == {"first": 7, "middle": 8, "last": 7}
+    assert cm.stage_layers(cm.MODELS["llama-70b"], plan(pp=4)) == {"first": 20, "middle": 20,
+                                                                 "last": 20}
+    # A split of one's own: DeepSeek-V3's 61 layers on 16 stages as 4 + 14 x 4 + 1.
+    deepseek = cm.MODELS["deepseek-v3"]
+    with pytest.raises(cm.PlannerError, match="num_hidden_layers=61 does not divide into pp=16"):
+        cm.validate_stages(deepseek, plan(pp=16))
+    mine = plan(pp=16, first_stage_layers=4, last_stage_layers=1)
+    cm.validate_stages(deepseek, mine)
+    assert cm.stage_layers(deepseek, mine) == {"first": 4, "middle": 4, "last": 1}
+    # The first stage's first 3 blocks are dense; the MoE blocks are the rest.
+    assert [cm.moe_layers_on_stage(deepseek, mine, s) for s in (0, 1, 15)] == [1, 4, 1]
+    with pytest.raises(cm.PlannerError, match="leave 55 layers, which do not divide into pp - 2"):
+        cm.validate_stages(deepseek, plan(pp=16, first_stage_layers=5, last_stage_layers=1))
+
+
+@pytest.mark.parametrize("name, pp, extra", [("llama-405b", 16, {}), ("gpt2-small", 3, {}),
+                                             ("deepseek-v3", 16, dict(first_stage_layers=4,
+                                                                      last_stage_layers=1))])
+def test_stages_add_up_to_the_whole_model(name, pp, extra):
+    model = cm.MODELS[name]
+    p = plan(pp=pp, precision="bf16", recompute="full", **extra)
+    stages = (0, 1, pp - 1)
+    middles = pp - 2
+    flops = [cm.stage_flops_per_token(model, p, s) for s in stages]
+    assert flops[0] + middles * flops[1] + flops[2] == pytest.approx(
+        cm.executed_flops_per_token(model, p), rel=1e-12)
+    params = [cm.stage_dense_parameters(model, p, s) for s in stages]
+    moe = [cm.moe_layers_on_stage(model, p, s) for s in stages]
+    routed = (moe[0] + middles * moe[1] + moe[2]) * routed_parameters_per_moe_block(model)
+    tied_copy = model["vocab_size"] * model["hidden_size"] * model["tie_word_embeddings"]
+    assert params[0] + middles * params[1] + params[2] + routed == cm.parameter_count(model) + \
+        tied_copy  # a tied head is copied onto the last stage
+
+
+def routed_parameters_per_moe_block(model):
+    if cm.moe_layers(model) == 0:
+        return 0
+    return model["num_experts"] * cm.expert_parameters(model)
+
+
+def test_logits_live_on_the_last_stage_one_micro_batch_at_a_time():
+    model = cm.MODELS["medium"]  # 6 layers on 3 stages
+    p = plan(pp=3, micro_batches=8, seq_len=64)
+    per_layer = cm.activation_bytes_per_layer(model, p)
+    ids = 64 * 8
+    last = cm.last_stage_extra_activation_bytes(model, p)
+    assert last == 64 * (3 * 256 * 4 + 4 * 256 + 8)  # final norm, fp32 log-softmax, targets
+    assert cm.activation_bytes(model, p, 0) == 3 * (2 * per_layer + ids)  # p in flight
+    assert cm.activation_bytes(model, p, 1) == 2 * 2 * per_layer
+    assert cm.activation_bytes(model, p, 2) == 2 * per_layer + last  # one in flight
+    gpipe = {**p, "schedule": "gpipe"}
+    assert cm.activation_bytes(model, gpipe, 2) == 8 * (2 * per_layer + last)
+
+
+def planner_cli(*flags):
+    return subprocess.run([sys.executable, "-m", "snippets.planner", *flags],
+                          capture_output=True, text=True)
+
+
+def test_cli_takes_llama_405b_on_16_uneven_stages():
+    out = planner_cli("--model", "llama-405b", "--dp", "128", "--tp", "8", "--pp", "16",
+                      "--seq-len", "8192")
+    assert out.returncode == 0, out.stderr
+    assert "stage              first (0)   middle (1)    last (15)" in out.stdout
+    assert "layers                     7            8            7" in out.stdout
+
+
+def test_cli_model_shape_flags_build_the_gpt3_block():
+    # GPT-3 175B (Brown et al. 2020, Table 2.1: 96 layers, d_model 12288, 96 heads) with
+    # Megatron-LM's vocabulary of 51,200 (Narayanan et al. 2021, section 5.1).
+    args = parse_args(["--architecture", "gpt3", "--layers", "96", "--hidden", "12288",
+                       "--ffn", "49152", "--heads", "96", "--kv-heads", "96", "--vocab", "51200",
+                       "--seq-len", "2048"])
+    assert model_of(args) == {**cm.MODELS["llama-7b"], **gpt3(12288, 96, 96)}
+    assert cm.parameter_count(model_of(args)) / 1e9 == pytest.approx(174.6, abs=0.05)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--kv-heads", "0"], "argument --kv-heads: must be a whole number >= 1, got 0"),
+    (["--heads", "7"], "hidden_size=4096 is not divisible by num_attention_heads=7"),
+    (["--heads", "32", "--kv-heads", "5"], "(flags: --heads, --kv-heads)"),
+    (["--model", "llama-70b", "--pp", "3"], "or set first_stage_layers and last_stage_layers"),
+    (["--model", "llama-70b", "--pp", "4", "--first-stage-layers", "31"], "--first-stage-layers"),
+    (["--model", "llama-70b", "--tp", "16"], "tp=16 exceeds gpus_per_node=8"),
+])
+def test_cli_refuses_a_bad_shape_in_one_line_naming_the_flag(flags, line):
+    out = planner_cli(*flags)
+    assert out.returncode != 0 and line in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_the_slowest_stage_sets_the_pace():
+    # Even stages: the last one also runs the output head, so every stage waits for it. Llama
+    # 3's split takes a layer off the last stage, and a middle stage is the slowest again.
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    p = plan(dp=2, tp=8, pp=4, micro_batches=16, precision="bf16", seq_len=4096)
+    r = cm.plan_training(cm.MODELS["llama-70b"], p, cluster)
+    head = 6 * 32000 * 8192 * 4096 * 16 / 8 / (989e12 * 0.5)  # 16 micro-batches, tp 8
+    assert r["slowest_stage"] == 3
+    assert r["time_s"]["compute"] == pytest.approx(head + 16 * 4096 * 20 * cm.block_flops_per_token(
+        cm.MODELS["llama-70b"], p, False) / 8 / (989e12 * 0.5), rel=1e-12)
+    llama3 = cm.plan_training(cm.MODELS["llama-405b"], {**p, "pp": 16, "seq_len": 8192}, cluster)
+    assert llama3["slowest_stage"] == 1

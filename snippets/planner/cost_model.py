@@ -170,13 +170,17 @@ def moe_shared_parameters_per_layer(model):
             + 2 * model["hidden_size"])
 
 
-def embedding_parameters(model):
+def input_embedding_parameters(model):
     table = model["vocab_size"] * model["hidden_size"]
     if is_gpt3(model):
         table = table + model["max_position_embeddings"] * model["hidden_size"]  # learned positions
+    return table
+
+
+def embedding_parameters(model):
     if model["tie_word_embeddings"]:
-        return table
-    return table + model["vocab_size"] * model["hidden_size"]  # a separate output head
+        return input_embedding_parameters(model)
+    return input_embedding_parameters(model) + model["vocab_size"] * model["hidden_size"]
 
 
 def final_norm_parameters(model):
@@ -196,6 +200,76 @@ def parameter_count(model):
 # --8<-- [end:parameters]
 
 
+# --8<-- [start:stages]
+# Pipeline stages. Stage 0 holds the input embedding, stage pp - 1 the final norm, the output
+# head and the loss; the stages between hold only blocks. Layers split evenly when pp divides
+# them; otherwise, by default, as the Llama 3 paper splits its 126 layers over 16 stages
+# (arXiv:2407.21783, section 3.3.2: "we reduce one Transformer layer each from the first and
+# the last stages"): first and last hold one layer fewer than the others. A plan may set
+# first_stage_layers and last_stage_layers itself (0: the default); the middle stages share
+# the rest equally.
+def stage_layers(model, plan):
+    """Layers on the first, each middle and the last stage (with pp = 1, the one stage)."""
+    n, p = model["num_hidden_layers"], plan["pp"]
+    if p == 1:
+        return {"first": n, "middle": n, "last": n}
+    first = option(plan, "first_stage_layers", 0)
+    last = option(plan, "last_stage_layers", 0)
+    # n // p: the even share, or, when n + 2 divides by p (validate refuses other splits), one
+    # layer short of the middle stages' (n + 2)/p
+    if first == 0:
+        first = n // p
+    if last == 0:
+        last = n // p
+    middle = 0
+    if p > 2:
+        middle = (n - first - last) // (p - 2)
+    return {"first": first, "middle": middle, "last": last}
+
+
+def layers_on_stage(model, plan, stage):
+    layers = stage_layers(model, plan)
+    if stage == 0:
+        return layers["first"]
+    if stage == plan["pp"] - 1:
+        return layers["last"]
+    return layers["middle"]
+
+
+def moe_layers_on_stage(model, plan, stage):
+    """The MoE blocks among a stage's layers: those past the model's first_dense_layers."""
+    if moe_layers(model) == 0:
+        return 0
+    layers, start = stage_layers(model, plan), 0
+    if stage > 0:
+        start = layers["first"] + (stage - 1) * layers["middle"]
+    end = start + layers_on_stage(model, plan, stage)
+    return max(0, end - max(start, option(model, "first_dense_layers", 0)))
+
+
+def output_head_parameters(model, plan):
+    """The last stage's vocabulary projection. Untied, its own matrix; tied, the input
+    embedding's, which a one-stage model shares and a pipeline copies onto its last stage
+    (Megatron-LM keeps the copies equal by all-reducing their gradients)."""
+    if model["tie_word_embeddings"] and plan["pp"] == 1:
+        return 0
+    return model["vocab_size"] * model["hidden_size"]
+
+
+def stage_dense_parameters(model, plan, stage):
+    """Parameters of a stage that every expert-parallel rank holds, before tensor parallelism."""
+    layers, moe = layers_on_stage(model, plan, stage), moe_layers_on_stage(model, plan, stage)
+    params = (layers - moe) * parameters_per_layer(model)
+    if moe > 0:
+        params = params + moe * moe_shared_parameters_per_layer(model)
+    if stage == 0:
+        params = params + input_embedding_parameters(model)
+    if stage == plan["pp"] - 1:
+        params = params + final_norm_parameters(model) + output_head_parameters(model, plan)
+    return params
+# --8<-- [end:stages]
+
+
 # --8<-- [start:model-state]
 def sharded_state_bytes(params, precision, zero_stage, dp):
     """Weights, gradients and optimizer state of `params` parameters on one of dp ranks: ZeRO
@@ -208,24 +282,12 @@ def sharded_state_bytes(params, precision, zero_stage, dp):
             "total": weights + gradients + optimizer}
 
 
-def moe_layers_per_stage(model, plan):
-    """MoE blocks on the busiest stage: as many as it can hold (all of them when pp = 1)."""
-    return min(model["num_hidden_layers"] // plan["pp"], moe_layers(model))
-
-
-def model_state_bytes(model, plan):
-    """Model state held by the busiest rank. Tensor parallelism splits every matrix tp ways;
-    pipeline parallelism gives each stage num_hidden_layers / pp layers, and the first stage
-    is also charged the embedding and, when untied, the output head (so it is the busiest;
-    with MoE, counted as if all its blocks were MoE). Expert parallelism gives each rank num_experts / ep of every MoE block's experts."""
-    layers = model["num_hidden_layers"] // plan["pp"]
-    moe, ep = moe_layers_per_stage(model, plan), option(plan, "ep", 1)
-    dense = (layers - moe) * parameters_per_layer(model) + embedding_parameters(model)
-    if moe > 0:
-        dense = dense + moe * moe_shared_parameters_per_layer(model)
-    dense = dense / plan["tp"]
-    if plan["pp"] == 1:
-        dense = dense + final_norm_parameters(model) / plan["tp"]
+def model_state_bytes(model, plan, stage):
+    """Model state held by one rank of pipeline stage `stage`. Tensor parallelism splits every
+    matrix tp ways (the embedding and head vocabulary-parallel, as Megatron-LM does); expert
+    parallelism gives each rank num_experts / ep of every MoE block's experts."""
+    moe, ep = moe_layers_on_stage(model, plan, stage), option(plan, "ep", 1)
+    dense = stage_dense_parameters(model, plan, stage) / plan["tp"]
     experts = 0
     if moe > 0:
         experts = moe * model["num_experts"] / ep * expert_parameters(model) / plan["tp"]
@@ -280,18 +342,22 @@ def activation_bytes_per_layer(model, plan):
     element:
     - "llama" (the course's GPT, counted tensor by tensor; tests/test_planner.py checks it
       against a measurement): outside the TP regions 3h per RMSNorm (its input, the normalised
-      vector, the output) and an fp32 1/rms each; inside them 4h in attention (q and k after
-      RoPE, v, the attention output), 4 x intermediate in the SwiGLU MLP (gate, up, SiLU(gate),
-      their product) and per head an fp32 softmax statistic (flash attention keeps no scores).
+      vector, the output) and an fp32 1/rms each; inside them, in attention, q and the
+      attention output (h each) and k after RoPE and v (kv each: num_key_value_heads x
+      head_dim, less than h with grouped-query attention), 4 x intermediate in the SwiGLU MLP
+      (gate, up, SiLU(gate), their product) and per head an fp32 softmax statistic (flash
+      attention keeps no scores).
     - "gpt3": Korthikanti et al. 2022, section 4.1: outside the TP regions the two LayerNorm
       inputs, the QKV and MLP inputs (4h x e) and two 1-byte dropout masks (2h); inside, q, k,
-      v and the attention output (4h x e) and the GELU's input and output (2 x intermediate x
-      e); and per head seq_len scores three times: softmax output (e), dropout mask (1 byte),
-      dropout output (e). With e = 2 and intermediate = 4h: sbh(34 + 5as/h).
+      v and the attention output ((2h + 2kv) x e, 4h without GQA) and the GELU's input and
+      output (2 x intermediate x e); and per head seq_len scores three times: softmax output
+      (e), dropout mask (1 byte), dropout output (e). With e = 2, kv = h and intermediate =
+      4h: sbh(34 + 5as/h).
     Tensor parallelism splits the inside tensors tp ways, sequence parallelism the outside ones.
     Selective recomputation drops the scores; full recomputation keeps only the block's input.
     """
     h, f, heads = model["hidden_size"], model["intermediate_size"], model["num_attention_heads"]
+    kv = model["num_key_value_heads"] * (h // heads)
     tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
     element = PRECISIONS[plan["precision"]]["activations"]
     outside_shards = sequence_parallel_shards(plan)
@@ -300,12 +366,12 @@ def activation_bytes_per_layer(model, plan):
         return tokens * h * element / outside_shards
     if is_gpt3(model):
         outside = 4 * h * element + 2 * h
-        inside = (4 * h + 2 * f) * element
+        inside = (2 * h + 2 * kv + 2 * f) * element
         if mode != "selective":
             inside = inside + heads * plan["seq_len"] * (2 * element + 1)
     else:
         outside = 6 * h * element + 2 * 4
-        inside = (4 * h + 4 * f) * element + 4 * heads
+        inside = (2 * h + 2 * kv + 4 * f) * element + 4 * heads
     return tokens * (outside / outside_shards + inside / plan["tp"])
 
 
@@ -327,38 +393,63 @@ def moe_activation_bytes_per_layer(model, plan):
     return tokens * extra * element / plan["tp"]
 
 
-def activation_bytes_outside_layers(model, plan):
-    """The embedding output and final norm (3h per token), the fp32 log-softmax over the
-    vocabulary kept for the loss's backward, and the int64 input ids and targets."""
+def first_stage_extra_activation_bytes(model, plan):
+    """Per micro-batch, what the first stage keeps beyond its blocks: the int64 input ids (the
+    embedding's output is the first block's saved input, counted there)."""
+    return plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1) * 8
+
+
+def last_stage_extra_activation_bytes(model, plan):
+    """Per micro-batch, what the last stage keeps beyond its blocks: the final norm (3h per
+    token: its input, the normalised vector and its output, the head's input), the fp32
+    log-softmax over the vocabulary (split tp ways by a vocabulary-parallel head) kept for the
+    loss's backward, and the int64 targets."""
     tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
     element = PRECISIONS[plan["precision"]]["activations"]
     return tokens * (3 * model["hidden_size"] * element + 4 * model["vocab_size"] / plan["tp"]
-                     + 16)
+                     + 8)
 
 
-def micro_batches_in_flight(plan):
-    """How many micro-batches' activations (of one stage's layers) the first pipeline stage
-    holds at once: GPipe runs every forward before any backward (all m); 1F1B starts backwards
-    after pp forwards (at most pp); interleaved 1F1B with v model chunks per rank warms up with
-    more, p + (p - 1)/v (Korthikanti et al. 2022, section 4.2.3: p(1 + (p - 1)/(pv)))."""
-    if plan["pp"] == 1:
+def micro_batches_in_flight(plan, stage):
+    """How many micro-batches' activations (of its layers) pipeline stage `stage` holds at once.
+    GPipe runs every forward before any backward: all m, on every stage. 1F1B starts a stage's
+    backwards after its warm-up forwards: stage i holds p - i (p on the first, 1 on the last).
+    Interleaved 1F1B with v model chunks per rank (Megatron-LM's schedule) warms up with
+    2(p - i - 1) + (v - 1)p chunk forwards and runs one more: p + (p - 2i - 1)/v stages' worth,
+    p(1 + (p - 1)/(pv)) on the first (Korthikanti et al. 2022, section 4.2.3). Never more than
+    all m."""
+    p, m = plan["pp"], plan["micro_batches"]
+    if p == 1:
         return 1
     if plan["schedule"] == "gpipe":
-        return plan["micro_batches"]
+        return m
     v = option(plan, "virtual_stages", 1)
     if v > 1:
-        return plan["pp"] + (plan["pp"] - 1) / v
-    return min(plan["pp"], plan["micro_batches"])
+        return min(p + (p - 2 * stage - 1) / v, m)
+    return min(p - stage, m)
 
 
-def activation_bytes(model, plan):
-    layers = model["num_hidden_layers"] // plan["pp"]
-    per_micro_batch = (layers * activation_bytes_per_layer(model, plan)
-                       + activation_bytes_outside_layers(model, plan))
-    moe = moe_layers_per_stage(model, plan)
+def logits_in_flight(plan):
+    """Micro-batches of logits the last stage holds: one under 1F1B, interleaved or not (each
+    forward through the last chunk is followed by its backward), all m under GPipe."""
+    if plan["pp"] > 1 and plan["schedule"] == "gpipe":
+        return plan["micro_batches"]
+    return 1
+
+
+def activation_bytes(model, plan, stage):
+    """Activations one rank of pipeline stage `stage` holds at their peak."""
+    layers = layers_on_stage(model, plan, stage) * activation_bytes_per_layer(model, plan)
+    moe = moe_layers_on_stage(model, plan, stage)
     if moe > 0:
-        per_micro_batch = per_micro_batch + moe * moe_activation_bytes_per_layer(model, plan)
-    return per_micro_batch * micro_batches_in_flight(plan)
+        layers = layers + moe * moe_activation_bytes_per_layer(model, plan)
+    held = layers * micro_batches_in_flight(plan, stage)
+    if stage == 0:
+        held = held + first_stage_extra_activation_bytes(model, plan) * micro_batches_in_flight(
+            plan, stage)
+    if stage == plan["pp"] - 1:
+        held = held + last_stage_extra_activation_bytes(model, plan) * logits_in_flight(plan)
+    return held
 # --8<-- [end:activations]
 
 
@@ -415,6 +506,36 @@ def executed_flops_per_token(model, plan):
     if mode == "selective" and is_gpt3(model):
         return flops + 4 * model["num_hidden_layers"] * plan["seq_len"] * model["hidden_size"]
     return flops
+
+
+def block_flops_per_token(model, plan, moe):
+    """Training FLOPs of one block per token, as training_flops_per_token counts them: a dense
+    block, or (moe True) an MoE block with only its active experts."""
+    width = option(model, "attention_width", 2 * model["hidden_size"])
+    params = matmul_parameters_per_layer(model)
+    if moe:
+        params = (attention_parameters(model) + model["hidden_size"] * model["num_experts"]
+                  + (option(model, "shared_experts", 0) + model["experts_per_token"])
+                  * expert_parameters(model))
+    return 6 * params + 6 * plan["seq_len"] * width
+
+
+def stage_flops_per_token(model, plan, stage):
+    """What one pipeline stage computes per token, recomputation included: its blocks, and on
+    the last stage the output head. Summed over the stages: executed_flops_per_token."""
+    moe = moe_layers_on_stage(model, plan, stage)
+    flops = (layers_on_stage(model, plan, stage) - moe) * block_flops_per_token(model, plan, False)
+    if moe > 0:
+        flops = flops + moe * block_flops_per_token(model, plan, True)
+    if stage == plan["pp"] - 1:
+        flops = flops + 6 * model["vocab_size"] * model["hidden_size"]
+    mode = recompute_mode(plan)
+    if mode == "full":
+        return flops * 4 / 3
+    if mode == "selective" and is_gpt3(model):
+        return (flops + 4 * layers_on_stage(model, plan, stage) * plan["seq_len"]
+                * model["hidden_size"])
+    return flops
 # --8<-- [end:flops]
 
 
@@ -448,7 +569,56 @@ def send_recv_time(size, lnk):
 
 
 # --8<-- [start:plan]
+def validate_model(model):
+    for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_key_value_heads", "vocab_size"):
+        check_positive_int(name, model[name])
+    if model["hidden_size"] % model["num_attention_heads"] != 0:
+        raise PlannerError(f"hidden_size={model['hidden_size']} is not divisible by "
+                           f"num_attention_heads={model['num_attention_heads']}: choose heads "
+                           f"of equal width")
+    if model["num_attention_heads"] % model["num_key_value_heads"] != 0:
+        raise PlannerError(f"num_attention_heads={model['num_attention_heads']} is not divisible"
+                           f" by num_key_value_heads={model['num_key_value_heads']}: each key/"
+                           f"value head serves a whole group of query heads")
+
+
+def validate_stages(model, plan):
+    n, p, v = model["num_hidden_layers"], plan["pp"], option(plan, "virtual_stages", 1)
+    for name in ("first_stage_layers", "last_stage_layers"):
+        value = option(plan, name, 0)
+        if not (value >= 0 and math.floor(value) == value):
+            raise PlannerError(f"{name}={value} must be a whole number (0: the default split)")
+    chosen = option(plan, "first_stage_layers", 0) + option(plan, "last_stage_layers", 0) > 0
+    if p > 1 and not chosen and n % p != 0 and (n + 2) % p != 0:
+        raise PlannerError(f"num_hidden_layers={n} does not divide into pp={p} equal stages, "
+                           f"nor with the first and last stage one layer short: choose pp "
+                           f"among the divisors of {n} or {n + 2}, or set first_stage_layers "
+                           f"and last_stage_layers")
+    layers = stage_layers(model, plan)
+    if layers["first"] < 1 or layers["last"] < 1:
+        raise PlannerError(f"pp={p} leaves the first or last stage no layers: choose pp at most "
+                           f"num_hidden_layers={n}")
+    rest = n - layers["first"] - layers["last"]
+    if p == 2 and rest != 0:
+        raise PlannerError(f"first_stage_layers={layers['first']} and last_stage_layers="
+                           f"{layers['last']} must add up to num_hidden_layers={n} with pp=2")
+    if p > 2 and (layers["middle"] < 1 or (p - 2) * layers["middle"] != rest):
+        raise PlannerError(f"first_stage_layers={layers['first']} and last_stage_layers="
+                           f"{layers['last']} leave {rest} layers, which do not divide into "
+                           f"pp - 2 = {p - 2} middle stages of at least one layer")
+    if v > 1 and (plan["pp"] == 1 or plan["schedule"] != "1f1b"):
+        raise PlannerError(f"virtual_stages={v} needs pp > 1 and the 1f1b schedule")
+    widest = layers_on_stage(model, plan, min(1, p - 1))
+    if widest % v != 0 or layers["first"] < v or layers["last"] < v:
+        raise PlannerError(f"num_hidden_layers={n} does not divide into pp x virtual_stages="
+                           f"{p * v} equal chunks")
+    if v > 1 and plan["micro_batches"] < plan["pp"]:
+        raise PlannerError(f"virtual_stages={v} needs micro_batches >= pp={plan['pp']}")
+
+
 def validate(model, plan, cluster):
+    validate_model(model)
     for name in ("dp", "tp", "pp", "micro_batch_size", "micro_batches", "seq_len"):
         check_positive_int(name, plan[name])
     cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
@@ -462,18 +632,12 @@ def validate(model, plan, cluster):
         raise PlannerError(f"recompute={plan['recompute']}: choose none, selective or full")
     if not (option(plan, "flops", "matmuls+attention") in FLOP_CONVENTIONS):
         raise PlannerError(f"flops={plan['flops']}: choose matmuls+attention, matmuls or 6N")
-    if model["num_hidden_layers"] % plan["pp"] != 0:
-        raise PlannerError(f"num_hidden_layers={model['num_hidden_layers']} does not divide "
-                           f"into pp={plan['pp']} equal stages: choose pp among its divisors")
-    if v > 1 and (plan["pp"] == 1 or plan["schedule"] != "1f1b"):
-        raise PlannerError(f"virtual_stages={v} needs pp > 1 and the 1f1b schedule")
-    if model["num_hidden_layers"] % (plan["pp"] * v) != 0:
-        raise PlannerError(f"num_hidden_layers={model['num_hidden_layers']} does not divide "
-                           f"into pp x virtual_stages={plan['pp'] * v} equal chunks")
-    if v > 1 and plan["micro_batches"] < plan["pp"]:
-        raise PlannerError(f"virtual_stages={v} needs micro_batches >= pp={plan['pp']}")
+    validate_stages(model, plan)
     if plan["seq_len"] % cp != 0:
         raise PlannerError(f"seq_len={plan['seq_len']} is not divisible by cp={cp}")
+    if plan["tp"] > cluster["gpus_per_node"]:
+        raise PlannerError(f"tp={plan['tp']} exceeds gpus_per_node={cluster['gpus_per_node']}:"
+                           f" tensor parallelism needs the fast links inside one node")
     if model["num_key_value_heads"] % plan["tp"] != 0:
         raise PlannerError(f"num_key_value_heads={model['num_key_value_heads']} is not "
                            f"divisible by tp={plan['tp']}: each rank needs whole heads")
@@ -489,17 +653,14 @@ def validate(model, plan, cluster):
     if (plan["dp"] * cp) % ep != 0:
         raise PlannerError(f"ep={ep} does not divide dp x cp={plan['dp'] * cp}: the expert-"
                            f"parallel ranks are data-parallel ranks of the dense layers")
-    if plan["tp"] > cluster["gpus_per_node"]:
-        raise PlannerError(f"tp={plan['tp']} exceeds gpus_per_node={cluster['gpus_per_node']}:"
-                           f" tensor parallelism needs the fast links inside one node")
 
 
-def messages_per_rank(model, plan):
-    """The messages plan_training prices for the busiest rank (the first pipeline stage), in
-    payload bytes (what a collective is handed): per micro-batch, tp_count TP messages of
-    tp_message bytes and pp_count PP messages of pp_message bytes; per step (under ZeRO-0 and
-    1; 2 and 3 send them more often), the gradients dp_dense and dp_experts; the parameters
-    the rank holds; and each group's payload per step: tp, pp and dp.
+def stage_messages(model, plan, stage):
+    """The messages plan_training prices for one rank of pipeline stage `stage`, in payload
+    bytes (what a collective is handed): per micro-batch, tp_count TP messages of tp_message
+    bytes and pp_count PP messages of pp_message bytes; per step (under ZeRO-0 and 1; 2 and 3
+    send them more often), the gradients dp_dense and dp_experts; the parameters the rank
+    holds; and each group's payload per step: tp, pp and dp.
     TP: 2 all-reduces of the rank's b x s/cp x h activations per block forward and 2 backward
     (with SP, a reduce-scatter plus an all-gather each: the same bytes). PP: a micro-batch
     crosses each of the rank's v chunk boundaries twice (activation forward, gradient
@@ -512,10 +673,10 @@ def messages_per_rank(model, plan):
     pp_message = activation / plan["tp"]
     tp_count, pp_count = 0, 0
     if plan["tp"] > 1:
-        tp_count = 4 * (model["num_hidden_layers"] // plan["pp"])
+        tp_count = 4 * layers_on_stage(model, plan, stage)
     if plan["pp"] > 1:
         pp_count = 2 * option(plan, "virtual_stages", 1)
-    state = model_state_bytes(model, plan)
+    state = model_state_bytes(model, plan, stage)
     gradient = PRECISIONS[plan["precision"]]["gradients"]
     dense = state["dense_parameters"] * gradient
     experts = state["expert_parameters"] * gradient
@@ -527,43 +688,41 @@ def messages_per_rank(model, plan):
             "dp": dense + experts}
 
 
-def plan_training(model, plan, cluster):
-    """Memory per GPU, step time, throughput, bubble and MFU for one training configuration.
+def messages_per_rank(model, plan):
+    """stage_messages of the first stage."""
+    return stage_messages(model, plan, 0)
 
-    plan: dp, tp, pp (group sizes), zero_stage (0-3), precision (fp32, bf16, fp8), recompute
-    ("none", "selective", "full"; or a bool), micro_batch_size, micro_batches (per step, per
-    data-parallel rank: pipeline micro-batches or gradient-accumulation steps), seq_len,
-    schedule ("1f1b" or "gpipe"), mfu (the fraction of peak FLOP/s the matmuls reach while they
-    run: kernel efficiency, not the end-to-end MFU this returns). Optional, with their defaults:
-    sp (False: sequence parallelism), cp (1: context-parallel size), cp_overlap (True: ring
-    attention's K/V exchange hidden behind attention's compute), virtual_stages (1: model
-    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention),
-    ep (1: expert-parallel size, carved out of dp x cp), ep_overlap (False: the all-to-alls
-    hidden behind another micro-batch's compute, as DeepSeek's DualPipe schedules them).
-    Rank order, innermost first: tp, cp, ep (inside dp), pp, dp; dp x tp x pp x cp GPUs in all.
-    """
-    validate(model, plan, cluster)
-    cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
-    ep = option(plan, "ep", 1)
+
+def stage_memory(model, plan, stage):
+    """Bytes one rank of pipeline stage `stage` holds: model state and activations."""
+    state = model_state_bytes(model, plan, stage)
+    activations = activation_bytes(model, plan, stage)
+    return {"stage": stage, "layers": layers_on_stage(model, plan, stage),
+            "parameters": state["parameters"], "weights": state["weights"],
+            "gradients": state["gradients"], "optimizer": state["optimizer"],
+            "zero3_gathered": state["zero3_gathered"], "activations": activations,
+            "total": state["total"] + activations}
+
+
+def stage_time(model, plan, cluster, stage):
+    """Seconds one rank of pipeline stage `stage` spends per micro-batch, part by part (slot:
+    all of them), and its data-parallel synchronisation per step, all and exposed."""
+    cp, ep = option(plan, "cp", 1), option(plan, "ep", 1)
     gpus = plan["dp"] * plan["tp"] * plan["pp"] * cp
-    state = model_state_bytes(model, plan)
-    activations = activation_bytes(model, plan)
-    memory = state["total"] + activations
-    capacity = cluster["gpu_memory_gb"] * 1e9
+    layers = layers_on_stage(model, plan, stage)
 
-    # Compute: every GPU does 1/(tp x pp x cp) of the FLOPs of its dp rank's micro-batches,
-    # recomputation included.
+    # Compute: the stage's FLOPs (recomputation included) for its dp rank's micro-batch, split
+    # tp x cp ways.
     tokens_per_micro_batch = plan["micro_batch_size"] * plan["seq_len"]
-    flops = executed_flops_per_token(model, plan) * tokens_per_micro_batch
+    flops = stage_flops_per_token(model, plan, stage) * tokens_per_micro_batch
     peak = cluster["peak_tflops"][plan["precision"]] * 1e12
-    compute_per_micro_batch = flops / (plan["tp"] * plan["pp"] * cp) / (peak * plan["mfu"])
+    compute_per_micro_batch = flops / (plan["tp"] * cp) / (peak * plan["mfu"])
 
     # Tensor parallelism: 2 all-reduces of a rank's b x s/cp x h activations per block in
     # forward and 2 in backward, inside a node, on the critical path. Sequence parallelism
     # turns each all-reduce into a reduce-scatter plus an all-gather: the same bytes and time.
     element = PRECISIONS[plan["precision"]]["activations"]
-    messages = messages_per_rank(model, plan)
-    layers_per_stage = model["num_hidden_layers"] // plan["pp"]
+    messages = stage_messages(model, plan, stage)
     intra = link(cluster, False)
     if option(plan, "sp", False):
         tp_message_time = 2 * ring_all_gather_time(messages["tp_message"], plan["tp"], intra)
@@ -585,7 +744,7 @@ def plan_training(model, plan, cluster):
             attention = (12 * tokens_per_micro_batch / cp * plan["seq_len"]
                          * model["hidden_size"] / plan["tp"] / (peak * plan["mfu"]))
             cp_per_layer = max(0, cp_per_layer - attention)
-        cp_per_micro_batch = layers_per_stage * cp_per_layer
+        cp_per_micro_batch = layers * cp_per_layer
 
     # Expert parallelism: per MoE block, each rank sends its tokens' experts_per_token routed
     # copies (b x s/cp x k x h elements) to the ranks holding those experts and gets the outputs
@@ -598,7 +757,7 @@ def plan_training(model, plan, cluster):
                * element * (ep - 1) / ep)
         ep_link = link(cluster, plan["tp"] * cp * ep > cluster["gpus_per_node"])
         a2a_time = (ep - 1) * ep_link["alpha"] + a2a / ep_link["beta"]
-        ep_per_micro_batch = moe_layers_per_stage(model, plan) * 4 * a2a_time
+        ep_per_micro_batch = moe_layers_on_stage(model, plan, stage) * 4 * a2a_time
         if option(plan, "ep_overlap", False):
             ep_per_micro_batch = max(0, ep_per_micro_batch - compute_per_micro_batch)
 
@@ -609,13 +768,6 @@ def plan_training(model, plan, cluster):
     if plan["pp"] > 1:
         pp_per_micro_batch = messages["pp_count"] * send_recv_time(messages["pp_message"],
                                                                    pp_link)
-    slot = (compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch
-            + ep_per_micro_batch + pp_per_micro_batch)
-    # The bubble: (p - 1)/v slots of idling against m of work, (p - 1)/(v m) of the ideal time
-    # (Narayanan et al. 2021, section 2.2.2).
-    m, p = plan["micro_batches"], plan["pp"]
-    pipeline_time = (m + (p - 1) / v) * slot
-    bubble = (p - 1) / v / (m + (p - 1) / v)
 
     # Data parallelism over the outermost dimension, among the dp x cp ranks that hold the same
     # weights. ZeRO-0/1 synchronise the gradients once per step: an all-reduce, or a
@@ -625,6 +777,7 @@ def plan_training(model, plan, cluster):
     # its backward). ZeRO-3 also all-gathers the weights before every micro-batch's forward and
     # again in its backward (1.5 all-reduces per micro-batch); prefetching hides them behind all
     # of the compute.
+    m = plan["micro_batches"]
     dp_group = plan["dp"] * cp
     dp_link = link(cluster, gpus > cluster["gpus_per_node"])
     # With experts, the dense gradients sync over dp x cp ranks and each expert's over the
@@ -642,28 +795,88 @@ def plan_training(model, plan, cluster):
     else:
         dp_time = 2 * gather  # an all-reduce: a reduce-scatter, then an all-gather
         hidden = 2 / 3 * compute_per_micro_batch
-    exposed_dp = max(0, dp_time - hidden)
+    return {"stage": stage, "compute": compute_per_micro_batch,
+            "tensor_parallel": tp_per_micro_batch, "context_parallel": cp_per_micro_batch,
+            "expert_parallel": ep_per_micro_batch, "pipeline_p2p": pp_per_micro_batch,
+            "slot": (compute_per_micro_batch + tp_per_micro_batch + cp_per_micro_batch
+                     + ep_per_micro_batch + pp_per_micro_batch),
+            "data_parallel": dp_time, "data_parallel_exposed": max(0, dp_time - hidden)}
 
-    step_time = pipeline_time + exposed_dp
-    tokens_per_step = tokens_per_micro_batch * m * plan["dp"]
+
+def plan_training(model, plan, cluster):
+    """Memory per GPU, step time, throughput, bubble and MFU for one training configuration.
+
+    plan: dp, tp, pp (group sizes), zero_stage (0-3), precision (fp32, bf16, fp8), recompute
+    ("none", "selective", "full"; or a bool), micro_batch_size, micro_batches (per step, per
+    data-parallel rank: pipeline micro-batches or gradient-accumulation steps), seq_len,
+    schedule ("1f1b" or "gpipe"), mfu (the fraction of peak FLOP/s the matmuls reach while they
+    run: kernel efficiency, not the end-to-end MFU this returns). Optional, with their defaults:
+    sp (False: sequence parallelism), cp (1: context-parallel size), cp_overlap (True: ring
+    attention's K/V exchange hidden behind attention's compute), virtual_stages (1: model
+    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention),
+    ep (1: expert-parallel size, carved out of dp x cp), ep_overlap (False: the all-to-alls
+    hidden behind another micro-batch's compute, as DeepSeek's DualPipe schedules them),
+    first_stage_layers and last_stage_layers (0: the default split, see stage_layers).
+    Rank order, innermost first: tp, cp, ep (inside dp), pp, dp; dp x tp x pp x cp GPUs in all.
+
+    Memory is reported per stage (first, the busiest middle one, last; with pp = 1 all three
+    are the one stage), and memory_bytes is the busiest stage's: the one that decides whether
+    the layout fits. Time is the slowest stage's: every stage waits for it once per micro-batch.
+    """
+    validate(model, plan, cluster)
+    cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
+    m, p = plan["micro_batches"], plan["pp"]
+    gpus = plan["dp"] * plan["tp"] * p * cp
+    capacity = cluster["gpu_memory_gb"] * 1e9
+    per_stage = {"first": stage_memory(model, plan, 0),
+                 "middle": stage_memory(model, plan, min(1, p - 1)),
+                 "last": stage_memory(model, plan, p - 1)}
+    busiest = per_stage["first"]
+    for role in ("middle", "last"):
+        if per_stage[role]["total"] > busiest["total"]:
+            busiest = per_stage[role]
+    slowest = stage_time(model, plan, cluster, 0)
+    sync, priced = slowest, 0
+    for role in ("middle", "last"):
+        if per_stage[role]["stage"] > priced:  # not the stage before it again (pp < 3)
+            priced = per_stage[role]["stage"]
+            times = stage_time(model, plan, cluster, priced)
+            if times["slot"] > slowest["slot"]:
+                slowest = times
+            if times["data_parallel_exposed"] > sync["data_parallel_exposed"]:
+                sync = times
+
+    # The bubble: (p - 1)/v slots of idling against m of work, (p - 1)/(v m) of the ideal time
+    # (Narayanan et al. 2021, section 2.2.2); the slot is the slowest stage's.
+    pipeline_time = (m + (p - 1) / v) * slowest["slot"]
+    bubble = (p - 1) / v / (m + (p - 1) / v)
+    step_time = pipeline_time + sync["data_parallel_exposed"]
+    tokens_per_step = plan["micro_batch_size"] * plan["seq_len"] * m * plan["dp"]
     tokens_per_s = tokens_per_step / step_time
+    peak = cluster["peak_tflops"][plan["precision"]] * 1e12
     return {
         "gpus": gpus,
         "parameters": parameter_count(model),
-        "parameters_per_gpu": state["parameters"],
-        "memory_bytes": {"weights": state["weights"], "gradients": state["gradients"],
-                         "optimizer": state["optimizer"],
-                         "zero3_gathered": state["zero3_gathered"],
-                         "activations": activations, "total": memory},
-        "fits": memory <= capacity,
-        "memory_fraction": memory / capacity,
+        "parameters_per_gpu": busiest["parameters"],
+        "memory_bytes": {"weights": busiest["weights"], "gradients": busiest["gradients"],
+                         "optimizer": busiest["optimizer"],
+                         "zero3_gathered": busiest["zero3_gathered"],
+                         "activations": busiest["activations"], "total": busiest["total"]},
+        "memory_per_stage": per_stage,
+        "busiest_stage": busiest["stage"],
+        "fits": busiest["total"] <= capacity,
+        "memory_fraction": busiest["total"] / capacity,
         "flops_per_token": model_flops_per_token(model, plan),
-        "time_s": {"compute": m * compute_per_micro_batch, "tensor_parallel": m * tp_per_micro_batch,
-                   "context_parallel": m * cp_per_micro_batch,
-                   "expert_parallel": m * ep_per_micro_batch,
-                   "pipeline_p2p": m * pp_per_micro_batch, "bubble": bubble * pipeline_time,
-                   "data_parallel": dp_time, "data_parallel_exposed": exposed_dp,
+        "time_s": {"compute": m * slowest["compute"],
+                   "tensor_parallel": m * slowest["tensor_parallel"],
+                   "context_parallel": m * slowest["context_parallel"],
+                   "expert_parallel": m * slowest["expert_parallel"],
+                   "pipeline_p2p": m * slowest["pipeline_p2p"],
+                   "bubble": bubble * pipeline_time,
+                   "data_parallel": sync["data_parallel"],
+                   "data_parallel_exposed": sync["data_parallel_exposed"],
                    "step": step_time},
+        "slowest_stage": slowest["stage"],
         "bubble_fraction": bubble,
         "tokens_per_step": tokens_per_step,
         "tokens_per_s": tokens_per_s,

@@ -11,6 +11,8 @@
     ["tp", "Tensor-parallel size (tp)", "int", 1],
     ["pp", "Pipeline stages (pp)", "int", 1],
     ["virtual_stages", "Interleaved chunks per pipeline rank (v)", "int", 1],
+    ["first_stage_layers", "Layers on the first pipeline stage (0: the default split)", "int", 0],
+    ["last_stage_layers", "Layers on the last pipeline stage (0: the default split)", "int", 0],
     ["cp", "Context-parallel size (cp)", "int", 1],
     ["cp_overlap", "Overlap ring attention with compute", "bool", true],
     ["sp", "Sequence parallelism (with tp)", "bool", false],
@@ -25,6 +27,15 @@
     ["schedule", "Pipeline schedule", "select", "1f1b", ["1f1b", "gpipe"]],
     ["mfu", "Fraction of peak FLOP/s the matmuls reach", "float", 0.4],
     ["flops", "FLOPs counted in MFU", "select", "matmuls+attention", ["matmuls+attention", "matmuls", "6N"]],
+  ];
+  // The model's shape, filled in from the preset and editable: a model of one's own.
+  const MODEL_FIELDS = [
+    ["num_hidden_layers", "Layers", "int"],
+    ["hidden_size", "Hidden size", "int"],
+    ["intermediate_size", "FFN width", "int"],
+    ["num_attention_heads", "Attention heads", "int"],
+    ["num_key_value_heads", "Key/value heads", "int"],
+    ["vocab_size", "Vocabulary", "int"],
   ];
   const CLUSTER_FIELDS = [
     ["gpus_per_node", "GPUs per node", "int"],
@@ -272,7 +283,8 @@
 
   function render(root) {
     const M = window.PlannerModel;
-    const model = M.MODELS[root.querySelector("#planner-model").value];
+    const model = Object.assign({}, M.MODELS[root.querySelector("#planner-model").value],
+                                read(root, MODEL_FIELDS));
     const plan = read(root, PLAN_FIELDS);
     const cluster = Object.assign({}, M.CLUSTERS[root.querySelector("#planner-cluster").value],
                                   read(root, CLUSTER_FIELDS));
@@ -296,7 +308,10 @@
       ["Optimizer state", gb(m.optimizer), "optimizer"],
       ["ZeRO-3 gathered block", gb(m.zero3_gathered), "zero3_gathered"],
       ["Activations", gb(m.activations), "activations"],
-      ["Memory per GPU", gb(m.total), "memory"],
+      ["Memory per GPU (busiest stage)", gb(m.total), "memory"],
+      ["Memory per stage: first / middle / last", ["first", "middle", "last"].map(
+        (k) => `${gb(r.memory_per_stage[k].total)} (stage ${r.memory_per_stage[k].stage}, ` +
+               `${r.memory_per_stage[k].layers} layers)`).join(" / "), "memory_per_stage"],
       ["Fits in memory", r.fits ? `yes (${(100 * r.memory_fraction).toFixed(0)}%)`
                                 : `no (${(100 * r.memory_fraction).toFixed(0)}%)`, "fits"],
       ["Compute per step", seconds(t.compute), "compute"],
@@ -323,6 +338,11 @@
     fillPeak(root);
   }
 
+  function fillModel(root) {
+    const model = window.PlannerModel.MODELS[root.querySelector("#planner-model").value];
+    for (const [key] of MODEL_FIELDS) root.querySelector(`[data-key="${key}"]`).value = model[key];
+  }
+
   function fillPeak(root) {
     const c = window.PlannerModel.CLUSTERS[root.querySelector("#planner-cluster").value];
     const precision = root.querySelector('[data-key="precision"]').value;
@@ -342,6 +362,7 @@
         <fieldset><legend>Model</legend>
           <label for="planner-model">Model</label>
           <select id="planner-model">${options(Object.keys(M.MODELS), "llama-7b")}</select>
+          ${MODEL_FIELDS.map(([k, l, kind]) => field(k, l, kind, 0)).join("")}
         </fieldset>
         <fieldset><legend>Cluster</legend>
           <label for="planner-cluster">Preset</label>
@@ -355,7 +376,9 @@
         </fieldset>
       </form>
       <div class="planner-result" aria-live="polite"></div>`;
+    fillModel(root);
     fillCluster(root);
+    root.querySelector("#planner-model").addEventListener("change", () => fillModel(root));
     root.querySelector("#planner-cluster").addEventListener("change", () => fillCluster(root));
     root.querySelector('[data-key="precision"]').addEventListener("change", () => fillPeak(root));
     root.addEventListener("input", () => render(root));
