@@ -118,6 +118,13 @@ def test_stub_is_valid_python_and_differs_only_in_the_exercise_sections(file):
         assert f'"Exercise {ex.number}: {ex.title}. ' in stub
         assert f"# TODO(exercise {ex.number}): " in stub
         assert f"python -m snippets.exercises check {ex.number}\")" in stub
+        # the whole message, its literals joined: where to start and how to get a hint, never
+        # the hints themselves
+        assert (f"Exercise {ex.number}: {ex.title}. Start from the TODO above; python -m "
+                f"snippets.exercises hints {ex.number} gives a hint, the next one each time you "
+                f"run it. Check with: python -m snippets.exercises check {ex.number}\")"
+                in re.sub(r'"\n\s*"', "", stub)), ex.number
+    assert "Hints:" not in stub
     # nothing of a solution body survives in its section (or, for an exercise that blanks
     # functions, in those functions: only their signature and docstring are left)
     for ex in exercises:
@@ -155,6 +162,70 @@ def test_stubs_never_overwrite_edited_files_without_force(tmp_path):
     gpt.write_text(edited + "# more work\n")
     again = {w.path: w for w in write_stubs(tmp_path, force=True)}[gpt]
     assert again.backup.name == "gpt.py.bak.2" and replaced.backup.read_text() == edited
+
+
+def solution_statements(ex) -> list[str]:
+    """The lines of ex's solution (the bodies of its `blank` functions, or its sections), with
+    comments and whitespace taken out."""
+    source = ex.solution_path.read_text()
+    if ex.blank:
+        lines = [line for body in blanked_bodies(source, ex.blank).values() for node in body
+                 for line in ast.get_source_segment(source, node).splitlines()]
+    else:
+        lines = [line for section in ex.sections for line in re.search(
+            rf"\[start:{section}\]\n(.*?)\n[ \t]*# --8<-- \[end:{section}\]", source, re.S)[1]
+            .splitlines()]
+    return [re.sub(r"\s+", "", line.split("#")[0]) for line in lines]
+
+
+def test_no_hint_is_the_solutions_code():
+    # A hint guides; it never hands out a line of the solution. Short lines (`self.step += 1`,
+    # an API call named by its name) are fair to mention: only lines of 24 characters or more,
+    # spaces left out, count as code given away.
+    for ex in AVAILABLE:
+        code = [line for line in solution_statements(ex) if len(line) >= 24]
+        for number, hint in enumerate(ex.hints, 1):
+            given = [line for line in code if line in re.sub(r"\s+", "", hint)]
+            assert not given, f"exercise {ex.number}'s hint {number} is the solution's {given}"
+
+
+def hints(capsys, *args) -> str:
+    from snippets.exercises.__main__ import main
+
+    assert main(["hints", *map(str, args)]) == 0
+    return capsys.readouterr().out
+
+
+def test_hints_come_one_at_a_time_and_the_count_is_kept_in_the_workspace(tmp_path, capsys):
+    ex, where = catalog.get(2), ("--workspace", tmp_path)
+    again = f"python -m snippets.exercises hints 2 --workspace {tmp_path}"
+    (tmp_path / "notes.txt").write_text("mine")
+    first = hints(capsys, 2, *where)
+    assert first.startswith(f"Exercise 2: rotate_half ({catalog.GPT_FILE})\n")
+    assert f"  task:       {ex.task}\n" in first
+    assert f"  hint 1 of 3: {ex.hints[0]}\nnext hint: {again}\n" in first
+    assert ex.hints[1] not in first
+    assert hints(capsys, 2, *where) == f"Exercise 2, hint 2 of 3: {ex.hints[1]}\nnext hint: {again}\n"
+    assert hints(capsys, 2, *where) == (f"Exercise 2, hint 3 of 3: {ex.hints[2]}\n"
+                                        f"that was the last hint; {again} --all shows them all\n")
+    assert hints(capsys, 2, *where).startswith("Exercise 2: no more hints, you have seen all 3. ")
+    every = hints(capsys, 2, "--all", *where)  # every hint, and the count stays where it is
+    assert all(f"    {i}. {hint}\n" in every for i, hint in enumerate(ex.hints, 1))
+    assert "no more hints" in hints(capsys, 2, *where)
+    assert hints(capsys, 2, "--reset", *where) == first
+    assert "hint 1 of 4: " in hints(capsys, 1, *where)  # each exercise counts on its own
+    # one file written whole (no temporary left behind), and the learner's own file untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".exercise-hints.json", "notes.txt"]
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_a_damaged_hints_file_is_reported_and_kept(tmp_path):
+    from snippets.exercises.__main__ import main
+
+    (tmp_path / ".exercise-hints.json").write_text("{half a")
+    with pytest.raises(SystemExit, match="is not a hints progress file"):
+        main(["hints", "2", "--workspace", str(tmp_path)])
+    assert (tmp_path / ".exercise-hints.json").read_text() == "{half a"
 
 
 # ---------------------------------------------------------------- checks accept correct code

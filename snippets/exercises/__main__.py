@@ -2,7 +2,8 @@
 
     python -m snippets.exercises list               the exercises, and which are available
     python -m snippets.exercises stubs [--out DIR]  your copies of the files, exercises blanked
-    python -m snippets.exercises hints N            what exercise N asks, and its hints
+    python -m snippets.exercises hints N [--all | --reset] [--workspace DIR]
+                                                    what exercise N asks, and its next hint
     python -m snippets.exercises check N|N-M|all [--workspace DIR | --solutions]
                                                     run exercise N's (or N to M's) checks
 
@@ -16,6 +17,7 @@ import sys
 from pathlib import Path
 
 from snippets.exercises import catalog
+from snippets.exercises.hints import all_hints, next_hint
 from snippets.exercises.stubs import write_stubs
 from snippets.training.flags import Parser
 
@@ -37,18 +39,16 @@ def cmd_list(args) -> int:
 
 def cmd_hints(args) -> int:
     ex = catalog.get(args.number)
-    print(f"Exercise {ex.number}: {ex.title} ({ex.file})")
-    print(f"  concept:    {ex.concept}")
-    print(f"  difficulty: {ex.difficulty}")
-    print(f"  task:       {ex.task}")
-    if ex.depends_on:
-        print(f"  builds on:  exercises {', '.join(map(str, ex.depends_on))}")
-    print(f"  check it:   python -m snippets.exercises check {ex.number}")
-    if ex.hints:
-        print("  hints:")
-    for i, hint in enumerate(ex.hints, 1):
-        print(f"    {i}. {hint}")
+    if args.all:
+        print("\n".join(all_hints(ex)))
+        return 0
+    command = f"python -m snippets.exercises hints {ex.number}" + _workspace_flag(args.workspace)
+    print("\n".join(next_hint(ex, Path(args.workspace), command, reset=args.reset)))
     return 0
+
+
+def _workspace_flag(workspace: str) -> str:
+    return "" if workspace == DEFAULT_WORKSPACE else f" --workspace {workspace}"
 
 
 def cmd_stubs(args) -> int:
@@ -66,8 +66,8 @@ def cmd_stubs(args) -> int:
             print(f"unchanged {w.path} ({numbers}): already a fresh stub")
         else:
             print(f"wrote {w.path} ({numbers})")
-    workspace = "" if args.out == DEFAULT_WORKSPACE else f" --workspace {args.out}"
-    print(f"next: edit the TODOs, then python -m snippets.exercises check 1{workspace}")
+    print("next: edit the TODOs, then python -m snippets.exercises check 1"
+          + _workspace_flag(args.out))
     return 0
 
 
@@ -123,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="the workspace directory (default: workspace/, ignored by git)")
     p.add_argument("--force", action="store_true",
                    help="replace files that hold your edits (the old file is kept as .bak)")
-    p = sub.add_parser("hints", help="what an exercise asks, and its hints")
+    p = sub.add_parser("hints", help="what an exercise asks, and its next hint")
     p.add_argument("number", type=int)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--all", action="store_true", help="every hint at once")
+    which.add_argument("--reset", action="store_true", help="start the hints over")
+    p.add_argument("--workspace", default=DEFAULT_WORKSPACE,
+                   help="where the hints you have seen are counted (default: workspace/)")
     p = sub.add_parser("check", help="check your solution to an exercise (or all)")
     p.add_argument("exercise", help="an exercise number, a range like 12-15, or all")
     where = p.add_mutually_exclusive_group()

@@ -23,9 +23,10 @@ from pathlib import Path
 REPO_ROOT = Path(__file__).resolve().parents[2]
 # The modules that hold the check functions, one per phase: the model, the trainer, the FSDP
 # trainer, then the parallelisms (which run the learner's code on several processes), those of
-# ZeRO and MoE and those of sequence parallelism and the 3-D groups in modules of their own.
+# overlapped DDP, of ZeRO and MoE and of sequence parallelism and the 3-D groups in modules of
+# their own.
 CHECK_MODULES = ("checks_model.py", "checks_trainer.py", "checks_fsdp.py", "checks_parallel.py",
-                 "checks_zero_moe.py", "checks_sp_3d.py")
+                 "checks_overlap.py", "checks_zero_moe.py", "checks_sp_3d.py")
 
 
 @dataclass(frozen=True)
@@ -160,9 +161,10 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Weight initialisation, the isinstance() pattern",
         difficulty="Easy (5-10 lines)",
         hints=(
-            "model.apply(fn) calls fn on every submodule: branch with isinstance(module, nn.Linear)"
-            ", nn.Embedding, RMSNorm",
-            "nn.init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)",
+            "model.apply(fn) calls fn on every submodule: branch with isinstance(module, "
+            "nn.Linear), nn.Embedding, RMSNorm",
+            "nn.init.normal_ fills a weight in place from a normal distribution: mean 0, and the "
+            "config's initializer_range as its std",
             "linears with module.is_residual_output = True (o_proj, down_proj) add into the "
             "residual stream: divide their std by math.sqrt(2 * self.config.num_hidden_layers)",
             "nn.init.zeros_ for a bias if there is one; nn.init.ones_ for RMSNorm.weight",
@@ -176,13 +178,15 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="The full model pipeline, gradient checkpointing, the next-token loss",
         difficulty="Medium (10-15 lines)",
         hints=(
-            "x = self.embed_tokens(input_ids), then x = block(x) for each block in self.layers",
-            "with self.config.gradient_checkpointing and self.training, call "
-            "checkpoint(block, x, use_reentrant=False) instead of block(x)",
+            "the token ids go through the embedding first, then through every block of self.layers "
+            "in turn, each taking the previous one's output",
+            "with self.config.gradient_checkpointing and self.training, call checkpoint(block, x, "
+            "use_reentrant=False) instead of block(x)",
             "the final self.norm before self.lm_head: the blocks are pre-norm, so the stream "
             "leaving the last block was never normalised",
-            "targets are already the next tokens (the caller shifted them): "
-            "F.cross_entropy(logits.view(-1, V), targets.reshape(-1), ignore_index=-100)",
+            "targets are already the next tokens (the caller shifted them): do not shift again. "
+            "F.cross_entropy wants (N, vocab) logits and (N,) targets, so flatten the batch and "
+            "time dimensions of both; a target of -100 is ignored",
             "return (logits, loss), with loss None when targets is None",
         ),
         depends_on=(1, 2, 3, 4, 5, 6),
@@ -197,14 +201,14 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Parameter groups, weight decay, AdamW",
         difficulty="Easy-Medium (10-15 lines)",
         hints=(
-            "loop over self.raw_model.named_parameters() and skip parameters that do not "
-            "require grad",
-            "p.dim() >= 2 (Linear and Embedding weights) goes to the decay group; "
-            "p.dim() < 2 (RMSNorm gains, biases) to the no-decay group",
-            "torch.optim.AdamW([{'params': decay, 'weight_decay': wd}, {'params': no_decay, "
-            "'weight_decay': 0.0}], lr=self.train_config.lr, betas=(0.9, 0.95))",
-            "the tied embed_tokens / lm_head matrix is one Parameter: named_parameters() yields "
-            "it once, and it must be in one group only",
+            "loop over self.raw_model.named_parameters() and skip parameters that do not require "
+            "grad",
+            "p.dim() >= 2 (Linear and Embedding weights) goes to the decay group; p.dim() < 2 "
+            "(RMSNorm gains, biases) to the no-decay group",
+            "torch.optim.AdamW takes a list of parameter groups, dicts with their own 'params' and "
+            "'weight_decay'; the learning rate is train_config.lr and the betas (0.9, 0.95)",
+            "the tied embed_tokens / lm_head matrix is one Parameter: named_parameters() yields it "
+            "once, and it must be in one group only",
         ),
         check="check_setup_optimizer",
         arrives_with="the DDP trainer (Week 1)",
@@ -218,12 +222,12 @@ EXERCISES: tuple[Exercise, ...] = (
         difficulty="Easy (5-8 lines)",
         hints=(
             "everything comes from self.train_config: lr, min_lr, warmup_steps, max_steps",
-            "warmup: lr * (step + 1) / warmup_steps, so step 0 already moves and step "
-            "warmup_steps - 1 reaches the peak",
+            "warmup: lr * (step + 1) / warmup_steps, so step 0 already moves and step warmup_steps "
+            "- 1 reaches the peak",
             "from step max_steps on, return min_lr",
-            "in between, progress = (step - warmup_steps) / (max_steps - warmup_steps) goes "
-            "from 0 to 1, and the rate is min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * "
-            "(lr - min_lr)",
+            "in between, measure the progress from 0 (the end of the warm-up) to 1 (max_steps): "
+            "half a period of a cosine, shifted and scaled to fall from 1 to 0 over that progress, "
+            "is the fraction of the distance from min_lr to lr still left",
         ),
         check="check_get_lr",
         arrives_with="the DDP trainer (Week 1)",
@@ -236,16 +240,16 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="The training step: gradient accumulation, clipping, scheduling",
         difficulty="Hard (20-30 lines)",
         hints=(
-            "lr = self.get_lr(self.step); set group['lr'] = lr for every group in "
-            "self.optimizer.param_groups",
-            "for each of the grad_accum_steps micro-steps: batch = next(batch_iter), "
-            "inputs, targets = shift_for_next_token(batch), then forward through self.model "
-            "inside `with self._grad_sync(last_micro_step=...)`",
+            "the schedule gives this step's learning rate (self.get_lr(self.step)); the optimizer "
+            "reads it from each of its param_groups, so write it there before stepping",
+            "each of the grad_accum_steps micro-steps takes the next batch from batch_iter, splits "
+            "it into inputs and next-token targets with shift_for_next_token, and runs forward and "
+            "backward inside self._grad_sync(...): only the last micro-step synchronises",
             "backward (loss / grad_accum_steps): backward() adds into .grad, so the sum of the "
             "scaled gradients is the gradient of the mean over the whole batch",
-            "after the last backward: grad_norm = torch.nn.utils.clip_grad_norm_("
-            "self.model.parameters(), max_norm) (math.inf when grad_clip is 0), then "
-            "self.optimizer.step() and self.optimizer.zero_grad(set_to_none=True)",
+            "after the last backward: clip the gradients' global norm to train_config.grad_clip "
+            "(torch.nn.utils.clip_grad_norm_ returns the norm before clipping; a grad_clip of 0 "
+            "means no clipping), step the optimizer, then clear the gradients to None",
             "self.step += 1, and return {'loss': mean of the micro-batch losses, 'grad_norm', "
             "'lr', 'tokens': targets trained on, times self.world_size}",
         ),
@@ -354,13 +358,13 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Distributed checkpointing: gathering sharded state",
         difficulty="Medium (about 15 lines)",
         hints=(
-            "self.model.state_dict() holds DTensors, this rank's slices: neither a plain GPT "
-            "nor torch.load(weights_only=True) accepts them",
-            "get_state_dict(self.model, self.optimizer, options=StateDictOptions("
-            "full_state_dict=True, cpu_offload=True)) all-gathers both; it is a collective, so "
-            "EVERY rank calls it",
-            "with cpu_offload=True only rank 0 receives the tensors (the others get empty "
-            "dicts): return None on the other ranks, write on rank 0 only",
+            "self.model.state_dict() holds DTensors, this rank's slices: neither a plain GPT nor "
+            "torch.load(weights_only=True) accepts them",
+            "get_state_dict gathers the model's and the optimizer's state at once; its "
+            "StateDictOptions ask for full tensors (full_state_dict) moved to the CPU "
+            "(cpu_offload). It is a collective, so EVERY rank calls it",
+            "with cpu_offload=True only rank 0 receives the tensors (the others get empty dicts): "
+            "return None on the other ranks, write on rank 0 only",
             "save the same pieces as exercise 11 (step, self.sampler.state_dict(), "
             "capture_rng_state(), configs as dicts) with save_atomic(path, state)",
         ),
@@ -379,16 +383,19 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Ring all-reduce, what NCCL does for dist.all_reduce (Week 1)",
         difficulty="Medium (15-20 lines)",
         hints=(
-            "chunks = list(tensor.view(-1).tensor_split(world)): views, so writing a chunk "
-            "writes the tensor; send to right = (rank + 1) % world, receive from left = "
-            "(rank - 1) % world",
-            "every step sends one chunk right and receives one from the left: start the send "
-            "with dist.isend, then dist.recv into a fresh buffer, then wait on the send. If "
-            "every rank calls a blocking recv first, no one is sending: a deadlock",
-            "reduce-scatter, world-1 steps: at step s send chunk (rank - s) % world and ADD the "
-            "received chunk into chunk (rank - s - 1) % world",
-            "all-gather, world-1 steps: at step s send chunk (rank + 1 - s) % world and COPY "
-            "the received chunk into chunk (rank - s) % world; return tensor",
+            "cut the flat tensor into world chunks that are views of it (tensor_split accepts "
+            "sizes that do not divide evenly), so writing a chunk writes the tensor; your right "
+            "neighbour is the next rank around the ring, your left the previous one",
+            "every step sends one chunk right and receives one from the left: start the send with "
+            "dist.isend, then dist.recv into a fresh buffer, then wait on the send. If every rank "
+            "calls a blocking recv first, no one is sending: a deadlock",
+            "reduce-scatter: at each step every rank sends a different chunk, and adds the chunk "
+            "it receives into the one it will send at the next step, so the partial sums grow "
+            "around the ring; after world-1 steps each rank holds one chunk summed over all the "
+            "ranks. Follow it on paper for 3 ranks: which chunk does rank r send first?",
+            "all-gather: each rank starts by sending the chunk it finished (for rank r, the one "
+            "after its own index), and every chunk it receives is finished too: it replaces your "
+            "copy (copy, do not add) and is the one you pass on at the next step; return tensor",
         ),
         check="check_ring_all_reduce",
     ),
@@ -402,16 +409,18 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Data sharding: which examples each rank trains on, epoch by epoch (Week 1)",
         difficulty="Easy-Medium (15 lines)",
         hints=(
-            "__init__ keeps its arguments and sets self.epoch = 0, self.num_samples (what "
-            "__len__ returns) and self.total_size = self.num_samples * num_replicas",
-            "every rank must get the same number of examples, or one leaves its epoch early "
-            "and the others wait for it in the all-reduce: num_samples = ceil(n / replicas), "
-            "or n // replicas with drop_last",
-            "shuffle: torch.randperm(n, generator=torch.Generator().manual_seed(self.seed + "
-            "self.epoch)).tolist(); the same seed on every rank means one permutation, and "
-            "the epoch in the seed makes set_epoch reshuffle",
-            "pad by repeating indices from the start until total_size (or cut to total_size "
-            "with drop_last), then take indices[self.rank:self.total_size:self.num_replicas]",
+            "__init__ keeps its arguments and sets what the rest of the class reads: self.epoch (0 "
+            "until set_epoch), self.num_samples (what __len__ returns) and self.total_size (every "
+            "rank's samples together)",
+            "every rank must get the same number of examples, or one leaves its epoch early and "
+            "the others wait for it in the all-reduce: round n / replicas up (padding the "
+            "indices), or down with drop_last",
+            "shuffle with torch.randperm and a torch.Generator of your own: seed it with the same "
+            "number on every rank, so that they all build one permutation, and put the epoch in "
+            "that number, so that set_epoch reshuffles",
+            "pad the list by repeating indices from its start (or cut it, with drop_last) to "
+            "total_size; then each rank takes every num_replicas-th index starting at its own "
+            "rank: strided, not a contiguous block",
         ),
         check="check_sampler",
     ),
@@ -424,12 +433,15 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Pipeline schedules: the 1F1B order and its memory (Week 3)",
         difficulty="Medium (6-8 lines)",
         hints=(
-            "gpipe_schedule above returns the same kind of list: all forwards, then all "
-            "backwards",
-            "warm-up: stage s of p runs min(p - s - 1, m) forwards before its first backward; "
-            "the last stage none, the first the most (its first gradient comes back last)",
-            "steady state: for i in range(m - warmup), ('F', warmup + i) then ('B', i)",
-            "cool-down: the backwards still owed, ('B', i) for i in range(m - warmup, m)",
+            "gpipe_schedule above returns the same kind of list: all forwards, then all backwards",
+            "warm-up: the last stage can start a backward right after its first forward; each "
+            "stage before it runs one forward more before its first backward, because its first "
+            "gradient comes back one hop later. With fewer micro-batches, all of them",
+            "steady state: after the warm-up, alternate one forward (the next micro-batch not yet "
+            "run) and one backward (the oldest micro-batch not yet run backward), forward first, "
+            "until every forward has run",
+            "cool-down: the backwards still owed, oldest first: the next stage sends their "
+            "gradients back in the order it ran them",
         ),
         check="check_one_f_one_b",
     ),
@@ -447,19 +459,19 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Tensor parallelism (Megatron-LM): one all-reduce per direction (Week 4)",
         difficulty="Medium (about 20 lines in 8 short methods)",
         hints=(
-            "rank, size = _tp_rank_and_size(group); column-parallel: self.weight = "
-            "nn.Parameter(linear.weight.detach().chunk(size, dim=0)[rank].clone()), rows = "
-            "output features; row-parallel: chunk(size, dim=1), columns = input features",
-            "ColumnParallelLinear.forward is F.linear(x, self.weight), no communication; "
-            "RowParallelLinear.forward is LeaveTensorParallel.apply(F.linear(x_shard, "
-            "self.weight), self.group, self.stats)",
-            "g (LeaveTensorParallel) sums the ranks' partial results in forward: all-reduce a "
-            "clone (never modify a forward input in place), stats.record('forward', it) first; "
-            "its backward returns grad, None, None: the sum's gradient is the same for every "
-            "term",
-            "f (EnterTensorParallel) returns x.view_as(x) in forward (keep group and stats on "
-            "ctx); in backward each rank's gradient covers its slice only: record, then "
-            "all-reduce a clone of grad and return it, None, None",
+            "_tp_rank_and_size(group) gives this rank's index and the group's size. A Linear's "
+            "weight is (out_features, in_features): column-parallel keeps this rank's block of "
+            "rows, row-parallel its block of columns, each a new nn.Parameter of a clone",
+            "the column-parallel forward needs no communication: its output is this rank's slice "
+            "of the features. The row-parallel forward multiplies its slice of the input by its "
+            "block of columns, a partial sum: it leaves the region through g "
+            "(LeaveTensorParallel.apply), which adds the ranks' partial sums",
+            "g sums the ranks' partial results in forward: record it in stats, then all-reduce a "
+            "clone (never modify a forward input in place). In backward the gradient of a sum is "
+            "the same for every term: return it unchanged, and None for group and stats",
+            "f is the identity in forward (return a view of x; keep group and stats on ctx); in "
+            "backward each rank's gradient of x covers only its slice of the features: record it, "
+            "then sum it over the ranks (all-reduce a clone) and return it",
         ),
         check="check_tensor_parallel",
     ),
@@ -473,15 +485,15 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Bucketed DDP overlapping communication with backward (Week 1)",
         difficulty="Medium-Hard (about 25 lines)",
         hints=(
-            "_make_hook returns hook(param): return at once when not self.require_sync "
-            "(inside no_sync); on the first gradient of a backward, queue self._finish with "
-            "torch.autograd.Variable._execution_engine.queue_callback and set "
-            "self.callback_queued",
-            "bucket.ready += 1; when it equals len(bucket.params), bucket.pack() and append "
-            "(bucket, dist.all_reduce(bucket.buffer, async_op=True)) to self.pending. Earlier, "
-            "some of the bucket's gradients do not exist yet",
-            "_finish: work.wait() for each pending handle BEFORE bucket.unpack(1 / world): "
-            "the all-reduce sums, each rank's loss was a mean over its own examples",
+            "_make_hook returns hook(param): return at once when not self.require_sync (inside "
+            "no_sync); on the first gradient of a backward, queue self._finish with "
+            "torch.autograd.Variable._execution_engine.queue_callback and set self.callback_queued",
+            "count the bucket's gradients as they arrive; when the last one is in (earlier, some "
+            "of its .grad do not exist yet), pack the bucket and launch its all-reduce without "
+            "waiting for it (async_op=True), keeping the bucket and the handle in self.pending",
+            "_finish runs when backward has ended: only there wait on each handle, and only after "
+            "its wait unpack the bucket, scaled to the mean (the all-reduce sums, and each rank's "
+            "loss was a mean over its own examples)",
             "then reset: bucket.ready = 0 for every bucket, self.pending = [], "
             "self.callback_queued = False; or the next backward never fills a bucket",
         ),
@@ -495,16 +507,17 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="ZeRO-1: optimizer state sharded (Week 2)",
         difficulty="Easy-Medium (4-5 lines)",
         hints=(
-            "self.flat_grads holds every parameter's gradient end to end (each p.grad is a view "
-            "of it): self.comm.all_reduce(self.flat_grads) sums it over the ranks, in place",
+            "self.flat_grads holds every parameter's gradient end to end (each p.grad is a view of "
+            "it): one all-reduce of it through self.comm sums every gradient over the ranks, in "
+            "place",
             "all_reduce sums: divide by dist.get_world_size() for the mean, as DDP does. AdamW "
             "would hide a factor N in the weights, but not in a clipped or logged gradient",
             "self.optimizer is an AdamW over self.shard, a view of this rank's slice of the "
-            "weights and of the gradients: self.optimizer.step() updates that slice only, "
-            "with moments for 1/N of the parameters",
-            "then every rank needs every updated slice: self.comm.all_gather(self.flat.full, "
-            "self.flat.local(self.flat.full)). AFTER the step; gathered before it, the other "
-            "shards stay one step behind",
+            "weights and of the gradients: self.optimizer.step() updates that slice only, with "
+            "moments for 1/N of the parameters",
+            "then every rank needs every updated slice: all-gather the slices into self.flat.full "
+            "through self.comm (self.flat.local gives this rank's slice of a flat tensor). AFTER "
+            "the step; gathered before it, the other shards stay a step behind",
         ),
         check="check_zero1",
     ),
@@ -517,16 +530,17 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="ZeRO-2: gradients reduce-scattered, not all-reduced (Week 2)",
         difficulty="Medium (12-15 lines)",
         hints=(
-            "autograd calls this hook once per parameter of bucket i: self.ready[i] += 1 and "
-            "return until it equals len(bucket.params); before that some .grad do not exist",
-            "received = torch.empty_like(self.shards[i]); self.comm.reduce_scatter(received, "
-            "bucket.flat_grad()) gives this rank the SUM of its shard over the ranks: divide "
-            "by dist.get_world_size()",
-            "shard.grad = received the first time, shard.grad += received after that: with "
-            "gradient accumulation several backwards add into one step",
-            "then p.grad = None for each p in bucket.params (ZeRO-2's saving: only the shard "
-            "remains), self.ready[i] = 0 for the next backward, and self.reduced[i] = True "
-            "(step() checks it)",
+            "autograd calls this hook once per parameter of bucket i: count them in self.ready[i], "
+            "and do nothing until the bucket's last gradient is in; before that some .grad do not "
+            "exist",
+            "a reduce-scatter through self.comm of the bucket's flat gradient "
+            "(bucket.flat_grad()), into a new tensor shaped like this rank's shard, gives it the "
+            "SUM of its shard over the ranks: divide by the world size for the mean",
+            "with gradient accumulation several backwards add into one step: set the shard's .grad "
+            "the first time, add into it after that",
+            "then free the bucket's full gradients (ZeRO-2's saving: only the shard remains), "
+            "reset the bucket's count for the next backward, and mark it in self.reduced (step() "
+            "checks it)",
         ),
         check="check_zero2",
     ),
@@ -541,18 +555,17 @@ EXERCISES: tuple[Exercise, ...] = (
         difficulty="Medium (about 12 lines in 3 methods)",
         hints=(
             "the parameters are views of self.flat.full, and autograd keeps views of them for "
-            "backward: free the BYTES, not the tensor, with self.flat.full.untyped_storage()."
-            "resize_(0), and grow them back with resize_(self.full_bytes); every view then "
-            "sees the weights again",
-            "gather: if not self.gathered, resize, then self.comm.all_gather(self.flat.full, "
-            "self.shard.detach()), then self.gathered = True; free: if self.gathered, "
-            "resize_(0) and self.gathered = False. The flag makes a second call do nothing",
-            "_after_forward(unit, output): unit.free(), then for t in tensors_in(output) that "
-            "require grad, t.register_hook(...) with a function that calls unit.gather() and "
-            "returns the gradient unchanged",
-            "backward reaches a unit's output gradient just before the unit's own backward: "
-            "that is when its weights must be back. The forward pre-hook (gather) and the "
-            "gradient hook (reduce-scatter, then free) are already registered in __init__",
+            "backward: free the BYTES, not the tensor. A tensor's untyped_storage() can be resized "
+            "in place, to 0 and back to self.full_bytes; every view then sees the weights again",
+            "gather gives the storage its bytes back, then all-gathers every rank's shard "
+            "(self.shard, detached) into self.flat.full through self.comm; gather and free keep "
+            "self.gathered up to date, so that a second call does nothing",
+            "_after_forward frees the unit, then hooks each output tensor that requires grad "
+            "(tensors_in(output)): a tensor's hook runs when its gradient is computed, and this "
+            "one gathers the unit and returns the gradient unchanged",
+            "backward reaches a unit's output gradient just before the unit's own backward: that "
+            "is when its weights must be back. The forward pre-hook (gather) and the gradient hook "
+            "(reduce-scatter, then free) are already registered in __init__",
         ),
         check="check_zero3",
     ),
@@ -565,19 +578,17 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Expert parallelism: two all_to_alls, counts first (Week 3)",
         difficulty="Medium-Hard (about 15 lines)",
         hints=(
-            "counts first: recv_per_expert = torch.empty_like(tokens_per_expert); "
-            "dist.all_to_all_single(recv_per_expert, tokens_per_expert, group=group). Now "
-            "recv_per_expert.view(world, local)[s, j] is what rank s sends to your expert j",
-            "the splits are per rank: send_splits = tokens_per_expert.view(world, local)"
-            ".sum(dim=1).tolist(), recv_splits the same of recv_per_expert; then received = "
-            "AllToAll.apply(inputs, send_splits, recv_splits, group), which gradients can "
-            "pass through",
-            "the received rows are ordered by source rank, then expert: split them by "
-            "recv_per_expert.tolist() and concatenate the pieces expert by expert before "
-            "moe.run_local_experts(rows, counts.sum(dim=0))",
-            "split the outputs again (expert, then source) and put them back in (source, "
-            "expert) order, then AllToAll.apply(back, recv_splits, send_splits, group): "
-            "the splits swapped on the way back",
+            "counts first: an all_to_all_single of tokens_per_expert tells every rank how many "
+            "rows each rank will send to each of its local experts; viewed as (world, local), row "
+            "s of what you receive is what rank s sends you",
+            "all_to_all's splits are per RANK, not per expert: add up the counts of each rank's "
+            "local experts, for what you send and for what you receive; move the rows with "
+            "AllToAll.apply, which gradients can pass through",
+            "the received rows are ordered by source rank, then expert: cut them into those pieces "
+            "and put them in expert order before running the local experts (moe.run_local_experts "
+            "takes the rows and each expert's count)",
+            "cut the outputs the same way and put them back in (source, expert) order; the return "
+            "trip is the same all_to_all with the splits swapped",
         ),
         check="check_moe_dispatch",
     ),
@@ -595,22 +606,21 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Sequence parallelism (Megatron-LM): TP's all-reduce split into its two halves",
         difficulty="Medium (about 20 lines in 7 short functions)",
         hints=(
-            "dist.all_gather_single(full, mine, group=group) and dist.reduce_scatter_single("
-            "mine, full, group=group) work along dimension 0, the batch here: move the "
-            "sequence there first, shard.movedim(1, 0).contiguous(), and back after with "
-            "movedim(0, 1); rank i's tokens are block i of the sequence",
+            "the single-tensor collectives (dist.all_gather_single, dist.reduce_scatter_single) "
+            "work along dimension 0, the batch here: move the sequence there first (movedim, then "
+            "contiguous) and back after; rank i's tokens are block i of the sequence",
             "the output of all_gather_sequence is (B, T, h) from (B, T/N, h) on each rank; "
-            "reduce_scatter_sequence gives (B, T/N, h): the sum over the ranks, this rank's "
-            "tokens only",
+            "reduce_scatter_sequence gives (B, T/N, h): the sum over the ranks, this rank's tokens "
+            "only",
             "GatherSequence: forward all_gather_sequence, backward reduce_scatter_sequence (every "
             "rank's column slice used every token, so each rank's gradient for a token is a "
             "partial sum); ScatterSequence: forward reduce_scatter_sequence, backward "
             "all_gather_sequence. Keep group and stats on ctx; backward returns grad, None, None",
-            "record each collective where it is made: stats.record('forward', 'all_gather', "
-            "full), stats.record('backward', 'reduce_scatter', grad), and so on",
-            "all_reduce_gradient_of: param.register_hook(hook), where hook clones the gradient, "
-            "records it as ('backward', 'all_reduce'), all-reduces it over the group and "
-            "returns it",
+            "record each collective where it is made: stats.record('forward', 'all_gather', full), "
+            "stats.record('backward', 'reduce_scatter', grad), and so on",
+            "all_reduce_gradient_of: a hook on the parameter (register_hook) sees its gradient "
+            "before it is added to .grad: copy it (autograd owns the incoming buffer), record it, "
+            "sum it over the group and return the sum",
         ),
         check="check_sequence_parallel",
     ),
@@ -646,16 +656,14 @@ EXERCISES: tuple[Exercise, ...] = (
         concept="Gradient buckets: few large all-reduces instead of one per parameter (Week 1)",
         difficulty="Easy-Medium (about 15 lines in 2 functions)",
         hints=(
-            "walk reversed(params), params = [p for p in module.parameters() if "
-            "p.requires_grad]: backward produces the last layer's gradients first, and those "
-            "buckets should fill first",
-            "the cap is in bytes: cap = bucket_cap_mb * 2**20 and a parameter weighs "
-            "p.numel() * p.element_size(); start a new bucket BEFORE adding a parameter that "
-            "would take the current one over the cap (an empty bucket always takes it)",
+            "walk the parameters that require grad in reverse order: backward produces the last "
+            "layer's gradients first, and those buckets should fill first",
+            "the cap is in bytes: cap = bucket_cap_mb * 2**20 and a parameter weighs p.numel() * "
+            "p.element_size(); start a new bucket BEFORE adding a parameter that would take the "
+            "current one over the cap (an empty bucket always takes it)",
             "return [Bucket(params) for each group], the last group included",
-            "sync_gradients: for each bucket, bucket.pack(), dist.all_reduce(bucket.buffer), "
-            "then bucket.unpack(1 / dist.get_world_size()): all_reduce sums, and each rank's "
-            "loss was a mean over its own examples",
+            "sync_gradients: each bucket is packed, all-reduced in one message and unpacked scaled "
+            "to the mean: all_reduce sums, and each rank's loss was a mean over its own examples",
         ),
         check="check_bucketed_ddp",
     ),

@@ -36,8 +36,12 @@ def _ring_worker(learner, rank: int, world: int) -> list:
     import torch.distributed as dist
 
     sent = []  # (calls, elements) of every send this rank makes: the ring's traffic
+    # The tensor as the reduce-scatter phase left it: at the p-th send, the all-gather's first.
+    current = {}
     for name in ("send", "isend"):
         def counting(tensor, *args, _original=getattr(dist, name), **kwargs):
+            if len(sent) == world - 1:
+                current["after_reduce_scatter"] = current["x"].clone()
             sent.append(tensor.numel())
             return _original(tensor, *args, **kwargs)
         setattr(dist, name, counting)
@@ -45,8 +49,11 @@ def _ring_worker(learner, rank: int, world: int) -> list:
     for shape in RING_SHAPES:
         x = _ring_input(shape, rank)
         sent.clear()
+        current.clear()
+        current["x"] = x
         returned = learner.ring_all_reduce(x)
         out.append({"x": x, "in place": returned is x, "sends": list(sent),
+                    "after_reduce_scatter": current.get("after_reduce_scatter"),
                     "returned": returned if isinstance(returned, torch.Tensor) else None})
         # Stop at the first wrong case, on every rank together: the parent names the mistake
         # from it, where the next case might only crash (chunks of different sizes).
@@ -108,12 +115,46 @@ def _ring_mistakes(p: int) -> list[tuple[str, dict]]:
         ("you added the received chunk into the chunk you had just sent: in the reduce-scatter "
          "phase receive into the next one, (rank - step - 1) % world",
          {"rs_index": lambda r, s: ((r - s) % p, (r - s) % p)}),
+        ("the all-gather phase used the reduce-scatter phase's chunk indices: the reduce-scatter "
+         "is right, but after it rank r's finished chunk is (r + 1) % world, not the one it sent "
+         "first, so the all-gather passed partial sums around. Start the all-gather from the "
+         "chunk this rank finished, one index ahead of the reduce-scatter's",
+         {"ag_index": lambda r, s: ((r - s) % p, (r - s - 1) % p)}),
     ]
 
 
 def _fmt(t: torch.Tensor) -> str:
     return str([int(v) if float(v).is_integer() else round(float(v), 3)
                 for v in t.reshape(-1).tolist()])
+
+
+def _wrong_phase(got: list[dict], total: torch.Tensor, p: int, shape: tuple) -> str:
+    """Which phase of the ring went wrong, judged from the tensor as each rank held it when it
+    made its p-th send (the all-gather's first): after a right reduce-scatter, every rank holds
+    one chunk summed over all the ranks."""
+    differ = [r for r in range(p) if not torch.equal(got[r]["x"], total)]
+    where = (f"with {p} ranks and a tensor of shape {list(shape)}, rank {differ[0]} holds "
+             f"{_fmt(got[differ[0]]['x'])}; the sum over the ranks is {_fmt(total)} "
+             f"(ranks {differ} are wrong)")
+    if any(g["after_reduce_scatter"] is None for g in got):
+        return (f"{where}. Draw a ring of 3 ranks on paper and follow each chunk through both "
+                "phases (python -m snippets.exercises hints 16 gives one hint at a time)")
+    sums = total.view(-1).tensor_split(p)
+    unfinished = [r for r, g in enumerate(got)
+                  if not any(torch.equal(mine, right) for mine, right in
+                             zip(g["after_reduce_scatter"].view(-1).tensor_split(p), sums))]
+    if unfinished:
+        r = unfinished[0]
+        return (f"the reduce-scatter phase is wrong: after it (your first p-1 = {p - 1} sends) "
+                f"rank {r} holds no chunk summed over all {p} ranks: "
+                f"{_fmt(got[r]['after_reduce_scatter'])}, where the sums are {_fmt(total)}. In "
+                "that phase each step adds the received chunk into the chunk this rank sends at "
+                "the next step, so the partial sums grow around the ring and each rank ends "
+                f"with one finished chunk.\n  {where}")
+    return ("the reduce-scatter phase is right (after it every rank holds one finished chunk) "
+            "but the all-gather phase is wrong: each rank first sends the chunk it finished, "
+            "and every chunk it receives is finished too: it replaces its copy and is the one "
+            f"to pass on at the next step.\n  {where}")
 
 
 def _check_ring_traffic(sends: list[int], p: int, numel: int) -> None:
@@ -163,13 +204,7 @@ def check_ring_all_reduce(learner: ModuleType) -> list[str]:
                 raise CheckFailed(f"{message}.\n  With {p} ranks and a tensor of shape "
                                   f"{list(shape)}, rank 0 holds {_fmt(got[0]['x'])}; the sum "
                                   f"is {_fmt(total)}")
-        differ = [r for r in range(p) if not torch.equal(got[r]["x"], total)]
-        raise CheckFailed(
-            f"with {p} ranks and a tensor of shape {list(shape)}, rank {differ[0]} holds "
-            f"{_fmt(got[differ[0]]['x'])}; the sum over the ranks is {_fmt(total)} "
-            f"(ranks {differ} are wrong). Check each phase's chunk indices: at reduce-scatter "
-            "step s send (rank - s) and add into (rank - s - 1); at all-gather step s send "
-            "(rank + 1 - s) and copy into (rank - s), all modulo world")
+        raise CheckFailed(_wrong_phase(got, total, p, shape))
     return [f"{p} ranks: every rank holds the exact sum, in place, for {len(RING_SHAPES)} "
             "tensors (a 3x4 matrix; 10 elements, split unevenly)",
             f"2(p-1) = {2 * p - 2} sends of 1/p of the tensor each, per all-reduce",
@@ -269,12 +304,13 @@ def check_sampler(learner: ModuleType) -> list[str]:
 SCHEDULE_CASES = ((2, 4), (4, 8), (4, 4), (4, 2), (3, 5))  # (stages p, micro-batches m)
 
 
-def _one_f_one_b(m, s, p, warmup, backward_first=False) -> list:
+def _one_f_one_b(m, s, p, warmup, backward_first=False, cool_down_reversed=False) -> list:
     actions = [("F", i) for i in range(warmup)]
     for i in range(m - warmup):
         pair = [("F", warmup + i), ("B", i)]
         actions += pair[::-1] if backward_first else pair
-    return actions + [("B", i) for i in range(m - warmup, m)]
+    owed = [("B", i) for i in range(m - warmup, m)]
+    return actions + (owed[::-1] if cool_down_reversed else owed)
 
 
 SCHEDULE_MISTAKES = (
@@ -293,6 +329,12 @@ SCHEDULE_MISTAKES = (
      "Backward first makes the last stage wait for a gradient of a micro-batch it has not "
      "run forward yet",
      lambda m, s, p: _one_f_one_b(m, s, p, min(p - s - 1, m), backward_first=True)),
+    ("the cool-down runs the owed backwards in reverse order. The next stage runs its "
+     "backwards, and sends their gradients back, oldest micro-batch first; a stage that asks "
+     "for the newest first sits idle while the gradient it could use now waits unread, and "
+     "keeps every owed micro-batch's activations until the last gradient comes. Run the "
+     "owed backwards oldest first, in the order their gradients arrive",
+     lambda m, s, p: _one_f_one_b(m, s, p, min(p - s - 1, m), cool_down_reversed=True)),
 )
 
 
@@ -500,7 +542,10 @@ def check_tensor_parallel(learner: ModuleType) -> list[str]:
             "one all-reduce in forward (g), one in backward (f)"]
 
 
-# ---------------------------------------------------------------- exercise 20: overlapped DDP
+# ---------------------------------------------------------------- DDP: shared by exercises 20, 27
+#
+# The model, the data, the reference and the async all-reduce's handle of both DDP checks;
+# exercise 20's check is in checks_overlap.py.
 
 DDP_WORLD = 2
 DDP_BUCKET_MB = 200 / 2**20  # 200 bytes: buckets [b2, w2, b1] and [w1] of the model below
@@ -511,66 +556,52 @@ def _ddp_model() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
 
 
-def _ddp_batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
+def _ddp_batch(step: int, rank: int, micro: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + 100 * micro + rank)
     return torch.randn(5, 4, generator=g), torch.randn(5, 3, generator=g)
 
 
 class _TrackedWork:
-    """An async all-reduce's handle that remembers whether it was waited on."""
+    """An async all-reduce's handle. The sum lands in the caller's tensor at the first wait(),
+    the one moment it is sure to be there: read before, the tensor holds this rank's own values,
+    every time, as it may on a GPU (gloo's thread would often have finished by then)."""
 
-    def __init__(self, work):
-        self.work, self.waited = work, False
+    def __init__(self, work, tensor: torch.Tensor, in_flight: torch.Tensor, on_wait):
+        self.work, self.tensor, self.in_flight, self.on_wait = work, tensor, in_flight, on_wait
+        self.waited = False
 
     def wait(self, *args, **kwargs):
-        self.waited = True
-        return self.work.wait(*args, **kwargs)
+        done = self.work.wait(*args, **kwargs)
+        if not self.waited:
+            self.tensor.copy_(self.in_flight)
+            self.waited = True
+            self.on_wait(self.tensor)
+        return done
 
     def __getattr__(self, name):
         return getattr(self.work, name)
 
 
-def _track_async_all_reduces() -> list:
-    """From now on in this process, dist.all_reduce(..., async_op=True) returns a handle that
-    remembers whether it was waited on; the list collects them."""
+def _track_all_reduces(on_launch=None, on_wait=None) -> list:
+    """From now on in this process, dist.all_reduce(..., async_op=True) reduces a copy of the
+    tensor and returns a _TrackedWork, collected in the list returned. on_launch(tensor,
+    async_op) is called at every all-reduce, on_wait(tensor) at each handle's first wait."""
     import torch.distributed as dist
 
     handles, all_reduce = [], dist.all_reduce
+    on_launch = on_launch or (lambda tensor, async_op: None)
+    on_wait = on_wait or (lambda tensor: None)
 
     def tracking(tensor, *args, async_op=False, **kwargs):
-        work = all_reduce(tensor, *args, async_op=async_op, **kwargs)
-        if async_op:
-            handles.append(_TrackedWork(work))
-            return handles[-1]
-        return work
+        on_launch(tensor, async_op)
+        if not async_op:
+            return all_reduce(tensor, *args, **kwargs)
+        in_flight = tensor.clone()
+        work = all_reduce(in_flight, *args, async_op=True, **kwargs)
+        handles.append(_TrackedWork(work, tensor, in_flight, on_wait))
+        return handles[-1]
     dist.all_reduce = tracking
     return handles
-
-
-def _ddp_worker(learner, rank: int, world: int) -> dict:
-    import torch.nn.functional as F
-
-    from snippets.exercises.runner import _describe
-    from snippets.scratch import ddp as solution
-
-    handles = _track_async_all_reduces()
-    # Exercise 27's make_buckets, the solution's: this exercise is judged on its own.
-    learner.make_buckets = solution.make_buckets
-    model = _ddp_model()
-    ddp = learner.OverlappedDDP(model, bucket_cap_mb=DDP_BUCKET_MB)
-    out = {"grads": [], "unwaited": [], "error": None}
-    for step in range(2):
-        x, y = _ddp_batch(step, rank)
-        try:
-            F.mse_loss(ddp(x), y).backward()
-        except Exception as err:  # noqa: BLE001 - the parent reports it with the step
-            return out | {"error": _describe(err, Path(learner.__file__)), "step": step}
-        out["unwaited"].append(sum(not h.waited for h in handles))
-        handles.clear()
-        out["grads"].append([None if p.grad is None else p.grad.clone()
-                             for p in model.parameters()])
-        _sgd_step(model)
-    return out
 
 
 def _sgd_step(model: torch.nn.Module) -> None:
@@ -583,18 +614,23 @@ def _sgd_step(model: torch.nn.Module) -> None:
             p.grad = None
 
 
-def _ddp_reference(world: int) -> list[dict]:
-    """Per step: the averaged gradients, and each rank's own, from one process."""
+def _ddp_reference(world: int, micro_batches: tuple[int, ...] = (1, 1)) -> list[dict]:
+    """Per step: the averaged gradients, and each rank's own (summed over the step's
+    micro-batches), from one process."""
     import torch.nn.functional as F
 
     model = _ddp_model()
     steps = []
-    for step in range(2):
-        batches = [_ddp_batch(step, r) for r in range(world)]
+    for step, micros in enumerate(micro_batches):
         local = []
-        for x, y in batches:
-            grads = torch.autograd.grad(F.mse_loss(model(x), y), list(model.parameters()))
-            local.append(list(grads))
+        for r in range(world):
+            grads = [torch.zeros_like(p) for p in model.parameters()]
+            for micro in range(micros):
+                x, y = _ddp_batch(step, r, micro)
+                loss = F.mse_loss(model(x), y)
+                step_grads = torch.autograd.grad(loss, list(model.parameters()))
+                grads = [g + d for g, d in zip(grads, step_grads)]
+            local.append(grads)
         mean = [sum(g) / world for g in zip(*local)]
         steps.append({"mean": mean, "local": local})
         for p, g in zip(model.parameters(), mean):
@@ -631,62 +667,10 @@ def _first_unaveraged(ranks: list, ref: list, p: int) -> tuple[int, int, str] | 
     return None
 
 
-@shows_prints
-def check_overlapped_ddp(learner: ModuleType) -> list[str]:
-    p = DDP_WORLD
-    ranks = run_learner(learner, _ddp_worker, p)
-    ref = _ddp_reference(p)
-    names = [name for name, _ in _ddp_model().named_parameters()]
-    for r, got in enumerate(ranks):
-        if got["error"]:
-            text = got["error"]
-            if "NoneType" in text:
-                raise CheckFailed(
-                    f"rank {r} packed a bucket before all its gradients existed ({text.splitlines()[0]}): "
-                    "reducing before all the bucket's hooks have fired. Launch a bucket's "
-                    "all-reduce only when bucket.ready == len(bucket.params)")
-            if got["step"] == 1:
-                raise CheckFailed(
-                    f"the first backward synchronised, the second raised {text}\n  Likely "
-                    "cause: _finish must reset the per-backward state for the next one: "
-                    "bucket.ready = 0 for every bucket, the pending list, callback_queued")
-            raise CheckFailed(f"on {p} processes, rank {r}'s backward raised {text}")
-    found = _first_unaveraged(ranks, ref, p)
-    if found:
-        step, r, what = found
-        grads, mean = ranks[r]["grads"][step], ref[step]["mean"]
-        if what == "unwaited":
-            raise CheckFailed(
-                f"in backward {step + 1}, rank {r} left {ranks[r]['unwaited'][step]} async "
-                "all-reduce(s) never waited on: stepping before the handles are waited "
-                "on. The buffers may still be in flight when you unpack them (here they "
-                "happened to be done); call work.wait() in _finish before bucket.unpack")
-        if what == "missing":
-            missing = next(n for n, g in zip(names, grads) if g is None)
-            raise CheckFailed(f"after backward {step + 1}, rank {r}'s {missing} has no "
-                              "gradient: unpack must write every parameter's .grad")
-        if what == "sum":
-            raise CheckFailed(
-                f"the gradients are {p} times the mean: you summed instead of averaging. "
-                "Each rank's loss is a mean over its own examples; divide the all-reduced "
-                "sum by the world size (bucket.unpack(1 / world))")
-        if what == "local":
-            raise CheckFailed(
-                f"after backward {step + 1}, rank {r} kept its own gradients: they were "
-                "never averaged"
-                + (". The first backward was averaged: _finish must reset bucket.ready "
-                   "to 0 (and pending, callback_queued), or no bucket fills again"
-                   if step else ": in the hook, count the bucket's ready gradients and "
-                   "launch dist.all_reduce(bucket.buffer, async_op=True) when the last "
-                   "one arrives"))
-        bad = next(n for n, g, w in zip(names, grads, mean)
-                   if not torch.allclose(g, w, rtol=1e-5, atol=1e-6))
-        raise CheckFailed(f"after backward {step + 1}, rank {r}'s gradient of {bad} is "
-                          "not the mean of the ranks' gradients")
-    return [f"{p} ranks, 2 buckets: after each of 2 backwards every gradient is the mean over "
-            "the ranks (fp32, 1e-5)",
-            "every async all-reduce is waited on before its bucket is unpacked",
-            "the second backward synchronises too: the per-backward state is reset"]
+UNPACKED_BEFORE_WAIT = (
+    "you unpacked a bucket before waiting on its all-reduce: until work.wait() returns, the "
+    "buffer is not sure to hold the sum (this check lands it only at the wait, as a GPU may), "
+    "so unpack copied this rank's own gradients. Wait on the handle first, then unpack")
 
 
 # ---------------------------------------------------------------- exercise 27: bucketed DDP
@@ -773,10 +757,10 @@ def _bucketed_worker(learner, rank: int, world: int) -> dict:
 
     from snippets.exercises.runner import _describe
 
-    handles = _track_async_all_reduces()
+    handles = _track_all_reduces()
     model = _ddp_model()
     ddp = learner.BucketedDDP(model, bucket_cap_mb=DDP_BUCKET_MB)
-    out = {"grads": [], "unwaited": [], "error": None}
+    out = {"grads": [], "unwaited": [], "async": [], "error": None}
     for step in range(2):
         x, y = _ddp_batch(step, rank)
         F.mse_loss(ddp(x), y).backward()
@@ -785,6 +769,7 @@ def _bucketed_worker(learner, rank: int, world: int) -> dict:
         except Exception as err:  # noqa: BLE001 - the parent reports it with the step
             return out | {"error": _describe(err, Path(learner.__file__)), "step": step}
         out["unwaited"].append(sum(not h.waited for h in handles))
+        out["async"].append(len(handles))
         handles.clear()
         out["grads"].append([p.grad.clone() for p in model.parameters()])
         _sgd_step(model)
@@ -807,9 +792,12 @@ def check_bucketed_ddp(learner: ModuleType) -> list[str]:
         if what == "unwaited":
             raise CheckFailed(
                 f"in step {step + 1}, rank {r} started {ranks[r]['unwaited'][step]} async "
-                "all-reduce(s) and never waited on the handle: the buffer may still be in "
-                "flight when you unpack it (here it happened to be done). A blocking "
-                "dist.all_reduce(bucket.buffer) is all sync_gradients needs")
+                "all-reduce(s) and never waited on the handle: the buffer is not sure to hold "
+                "the sum before work.wait() (this check lands it only at the wait, as a GPU "
+                "may). A blocking dist.all_reduce(bucket.buffer) is all sync_gradients needs")
+        if what == "local/p" and ranks[r]["async"][step]:
+            raise CheckFailed(f"after step {step + 1}, rank {r}'s gradients are its own divided "
+                              f"by {p}: {UNPACKED_BEFORE_WAIT}")
         if what == "sum":
             raise CheckFailed(
                 f"the gradients are {p} times the mean: gradients not divided by the world "

@@ -332,6 +332,14 @@ def check_sequence_parallel(learner: ModuleType) -> list[str]:
                 f"{setting}, rank {r}'s norm weight gradient is "
                 f"{_fmt(got['norm_grad'])}; the whole sequence's is "
                 f"{_fmt(ref[r]['norm_grad'])}")
+        if _close(got["norm_grad"], ref[r]["norm_grad"] / p):
+            raise CheckFailed(
+                f"the norm weight's gradient was divided by N = {p} after the all-reduce: "
+                "that is DDP's mean, but here the ranks hold different tokens of the same "
+                "sequences, not replicas on different batches. The loss already counts every "
+                "token once, so the gradient is the plain sum of the ranks' parts: all-reduce "
+                f"(SUM) and do not divide.\n  {setting}, rank {r}'s norm weight gradient is "
+                f"{_fmt(got['norm_grad'])}; the whole sequence's is {_fmt(ref[r]['norm_grad'])}")
         if _close(got["norm_grad"], p * ref[r]["norm_grad"]):
             raise CheckFailed(f"the norm weight's gradient is N = {p} times the whole "
                               "sequence's: it was all-reduced twice (or summed once too "

@@ -415,7 +415,13 @@ def _zero3_worker(learner, rank: int, world: int) -> dict:
     model = _ZeRO3Net()
     comm = learner.CommStats()
     out = {"y": [], "held_after_forward": [], "held_after_backward": [], "gathers": [],
-           "params": [], "error": None}
+           "frees_in_forward": [], "params": [], "error": None}
+    frees, free = [], learner.ShardedUnit.free
+
+    def counting_free(unit):  # free() named apart from its body: is it called at all?
+        frees.append(unit)
+        return free(unit)
+    learner.ShardedUnit.free = counting_free
     try:
         zero = learner.ZeRO3(model, comm=comm)
         opt = torch.optim.SGD(zero.parameters(), lr=ZERO_LR)
@@ -428,10 +434,12 @@ def _zero3_worker(learner, rank: int, world: int) -> dict:
     for step in range(ZERO_STEPS):
         x, y = _zero3_batch(step, rank)
         comm.reset()
+        frees.clear()
         try:
             pred = zero(x)
         except Exception as err:  # noqa: BLE001
             return out | {"error": _describe(err, learner), "where": "forward", "step": step}
+        out["frees_in_forward"].append(len(frees))
         out["y"].append(pred.detach().clone())
         out["held_after_forward"].append(held())
         try:
@@ -511,11 +519,19 @@ def check_zero3(learner: ModuleType) -> list[str]:
                                       f"{ZERO_STEPS} SGD steps is {_fmt(got['params'][name])}; "
                                       f"single-process training gives {_fmt(want)}")
         got = ranks[0]
+        if got["held_after_forward"][0] and not got["frees_in_forward"][0]:
+            raise CheckFailed(
+                f"the numbers are right, but after forward the parameters still hold "
+                f"{got['held_after_forward'][0]} bytes: the full weights were never freed, "
+                "because free() was never called in forward, so ZeRO-3 holds as much as "
+                "ZeRO-2. _after_forward must free the unit (unit.free()) before it hooks the "
+                "outputs for backward's re-gather")
         if got["held_after_forward"][0]:
             raise CheckFailed(
                 f"the numbers are right, but after forward the parameters still hold "
-                f"{got['held_after_forward'][0]} bytes: the full weights were never freed, so "
-                "ZeRO-3 holds as much as ZeRO-2. free() must release the flat buffer's bytes "
+                f"{got['held_after_forward'][0]} bytes: free() was called "
+                f"{got['frees_in_forward'][0]} times in forward, but the full weights were never "
+                "freed, so ZeRO-3 holds as much as ZeRO-2. free() must release the flat buffer's bytes "
                 "in place (self.flat.full.untyped_storage().resize_(0)): the parameters are "
                 "views of it, and a new tensor in its place frees nothing")
         if got["gathers"][0] != 2 * units:

@@ -3,7 +3,8 @@
 The copy keeps every other byte of the module, the section markers included, so stub and
 solution never drift apart and the checker can find the exercise in the learner's file. The
 section's lines become a `# TODO(exercise N)` comment and a `raise NotImplementedError(...)`
-that names the exercise, its hints and the command that checks it.
+that names the exercise, says where to start and how to get a hint (one at a time, with
+`hints N`: the stub never lists them all), and gives the command that checks it.
 """
 
 from __future__ import annotations
@@ -41,12 +42,10 @@ def _wrap(text: str, width: int) -> list[str]:
 def stub_lines(exercise: Exercise, indent: str, width: int = 96) -> list[str]:
     """The lines that stand in for one of the exercise's sections."""
     n = exercise.number
-    message = [f"Exercise {n}: {exercise.title}. "]
-    hints = [f"({i}) {hint}." for i, hint in enumerate(exercise.hints, 1)]
-    if hints:
-        hints[0] = "Hints: " + hints[0]
-    message += [hint + " " for hint in hints]
-    message.append(f"Check with: python -m snippets.exercises check {n}")
+    message = [f"Exercise {n}: {exercise.title}. ",
+               "Start from the TODO above; python -m snippets.exercises hints "
+               f"{n} gives a hint, the next one each time you run it. ",
+               f"Check with: python -m snippets.exercises check {n}"]
     todo = _wrap(f"TODO(exercise {n}): {exercise.task}.", width - len(indent) - 2)
     literal_width = width - len(indent) - 4 - 2  # the 4-space continuation and the quotes
     literals = [piece for part in message for piece in _wrap(part, literal_width)
