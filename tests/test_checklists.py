@@ -1,5 +1,6 @@
-"""The study plan's checklists in headless Chromium: a tick survives a reload and an instant-
-navigation page change (docs/assets/js/checklists.js, state in localStorage).
+"""The study plan's checklists in headless Chromium: a tick survives a reload, an instant-
+navigation page change and a rewording of its item, whose id keys it (docs/assets/js/checklists.js,
+state in localStorage).
 
 Same browser set-up as tests/test_browser.py: the system Chromium, skipped with the reason when it
 is missing, unless REQUIRE_BROWSER=1.
@@ -77,4 +78,56 @@ def test_a_tick_persists_across_reload_and_instant_navigation(page, site_url):  
     assert not boxes(page).nth(0).is_checked()
     page.reload()
     assert not boxes(page).nth(0).is_checked()
+    assert not errors, f"JavaScript errors: {errors}"
+
+
+def test_a_tick_follows_the_item_id_when_the_item_is_reworded(page, site_url):  # noqa: F811
+    """Ticks are keyed by each item's `data-checklist-id`: an item reworded in a later version
+    of the page keeps its tick, and a tick stored under an item's text (before ids) moves to
+    its id once."""
+    page, errors = page
+    url = site_url + PAGE
+    page.goto(url)
+    item = page.locator("article .task-list-item:has([data-checklist-id='ex-16'])")
+    assert item.count() == 1, "the study plan has no item with data-checklist-id='ex-16'"
+    item.locator("label").first.dispatch_event("click")
+    assert item.locator("input[type=checkbox]").is_checked()
+    stored = page.evaluate("Object.keys(localStorage).filter(k => k.startsWith('checklist:'))")
+    assert [k.rsplit("::", 1)[1] for k in stored] == ["#ex-16"], stored
+
+    # The same page, its item reworded, as a later version of the site would serve it.
+    def reworded(route):
+        html = route.fetch().text()
+        assert "Exercise 16: your own ring all-reduce" in html
+        route.fulfill(body=html.replace("Exercise 16: your own ring all-reduce",
+                                        "Exercise 16, reworded: a ring all-reduce of your own"),
+                      content_type="text/html")
+
+    page.route(url, reworded)
+    try:
+        page.goto(url)
+        assert "reworded" in item.inner_text()
+        assert item.locator("input[type=checkbox]").is_checked(), "the reworded item lost its tick"
+    finally:
+        page.unroute(url)
+
+    # A tick from before ids, stored under the item's text, is moved to the id once.
+    page.evaluate("localStorage.clear()")
+    page.goto(url)
+    old_key = page.evaluate("""() => {
+        const li = document.querySelector("article .task-list-item:has([data-checklist-id='ex-17'])");
+        const copy = li.cloneNode(true);
+        copy.querySelectorAll("ul, ol, label").forEach((n) => n.remove());
+        const key = "checklist:" + location.pathname.replace(/index\\.html$/, "") + "::"
+            + copy.textContent.replace(/\\s+/g, " ").trim();
+        localStorage.setItem(key, "1");
+        return key;
+    }""")
+    page.reload()
+    ex17 = page.locator("article .task-list-item:has([data-checklist-id='ex-17'])")
+    assert ex17.locator("input[type=checkbox]").is_checked(), "the text-keyed tick was not migrated"
+    keys = page.evaluate("Object.keys(localStorage)")
+    assert old_key not in keys and any(k.endswith("::#ex-17") for k in keys), keys
+    page.locator("article [data-checklist-reset]").first.click()
+    assert not ex17.locator("input[type=checkbox]").is_checked()
     assert not errors, f"JavaScript errors: {errors}"

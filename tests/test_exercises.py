@@ -2,6 +2,7 @@
 on the solutions, and each check fails, with its explanation, on a typical wrong answer."""
 
 import ast
+import json
 import re
 import subprocess
 import sys
@@ -85,7 +86,28 @@ def workspace_with(tmp_path: Path, replacements: dict[str, str], stubbed: set[in
         target = tmp_path / file
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(out))
+    for number, given in RIGHT_PREDICTIONS.items():  # exercises 12-14 measure nothing without
+        (tmp_path / f"predictions-{number}.json").write_text(json.dumps(given))
     return tmp_path
+
+
+# What the checks of exercises 12-14 measure on the solutions (docs/exercises/phase-3.md), as a
+# learner would predict it: every workspace here has predicted right, unless a test says not.
+_UNITS = {"all_gathers_per_forward": 3, "peak_percent_whole": 57}
+RIGHT_PREDICTIONS = {
+    12: {"FULL_SHARD": {"stored_percent": 50, "held_percent": 57, "forward_all_gathers": 3,
+                        "backward_all_gathers": 2},
+         "SHARD_GRAD_OP": {"stored_percent": 50, "held_percent": 100, "forward_all_gathers": 3,
+                           "backward_all_gathers": 0},
+         "NO_SHARD": {"stored_percent": 100, "held_percent": 100, "forward_all_gathers": 0,
+                      "backward_all_gathers": 0}},
+    13: {"fp32": {"forward_all_gather_bytes": 462_080, "backward_reduce_scatter_bytes": 462_080,
+                  "loss_dtype": "float32"},
+         "bf16": {"forward_all_gather_bytes": 231_040, "backward_reduce_scatter_bytes": 462_080,
+                  "loss_dtype": "fp32", "block_on_fp32_activations": "torch.bfloat16"}},
+    14: {"model_alone": {"all_gathers_per_forward": 1, "peak_percent_whole": 100},
+         "blocks_then_model": _UNITS},
+}
 
 
 # ---------------------------------------------------------------- the catalogue and the stubs
@@ -236,6 +258,13 @@ def test_a_damaged_hints_file_is_reported_and_kept(tmp_path):
 # checked here rather than by running the command a second time (phase 4 runs its `check 16-27`
 # as an expected-output block); `check all --solutions` runs on docs/exercises/index.md, the
 # CLI's table checked there.
+def phase_3_page() -> str:
+    """docs/exercises/phase-3.md with the collapsed boxes' 4-space indent removed: the measured
+    reports sit inside them, after the predictions they answer."""
+    text = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
+    return "\n".join(line.removeprefix("    ") for line in text.splitlines())
+
+
 @pytest.mark.parametrize("ex", AVAILABLE, ids=lambda e: f"exercise-{e.number}")
 def test_every_check_passes_on_the_solutions(ex):
     from snippets.exercises.__main__ import _report
@@ -244,8 +273,7 @@ def test_every_check_passes_on_the_solutions(ex):
     assert result.ok, result.message
     assert result.passed
     if ex.phase == 3:
-        page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
-        assert "\n" + _report(result) + "\n" in page, _report(result)
+        assert "\n" + _report(result) + "\n" in phase_3_page(), _report(result)
 
 
 def test_cli_check_on_the_solutions_and_on_fresh_stubs(tmp_path):
@@ -602,8 +630,7 @@ def test_the_failure_shown_on_the_fsdp_page_is_real(tmp_path, mistake):
     number, section, body, explanation = mistake
     result = run_check(catalog.get(number), workspace_with(tmp_path, {section: body}))
     assert result.status == "FAIL" and explanation in result.message, result.message
-    page = (ROOT / "docs" / "exercises" / "phase-3.md").read_text()
-    assert f"```text\n{_report(result)}\n```" in page, _report(result)
+    assert f"```text\n{_report(result)}\n```" in phase_3_page(), _report(result)
 
 
 def test_the_untouched_precision_stub_is_not_started(tmp_path):

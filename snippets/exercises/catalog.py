@@ -46,6 +46,8 @@ class Exercise:
     # The functions (`name` or `Class.method`) whose bodies the learner writes, when the
     # sections hold more than the exercise: the stub keeps their signatures and docstrings.
     blank: tuple[str, ...] = ()
+    # The page (relative to docs/) whose lesson teaches this code and ends with this exercise.
+    lesson: str = ""
 
     @property
     def solution_path(self) -> Path:
@@ -94,6 +96,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "float16 values above 256 overflow",
         ),
         check="check_rmsnorm",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=2, title="rotate_half", file=GPT_FILE, sections=("exercise-2",), phase=1,
@@ -106,6 +109,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "the NEGATED second half comes first: rotate_half([1, 2, 3, 4]) is [-3, -4, 1, 2]",
         ),
         check="check_rotate_half",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=3, title="apply_rotary_pos_emb", file=GPT_FILE, sections=("exercise-3",), phase=1,
@@ -122,6 +126,7 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(2,),
         check="check_apply_rotary_pos_emb",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=4, title="MLP.forward", file=GPT_FILE, sections=("exercise-4",), phase=1,
@@ -134,6 +139,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "SiLU, not GELU or ReLU: silu(z) = z * sigmoid(z)",
         ),
         check="check_mlp",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=5, title="CausalSelfAttention.forward (eager branch)", file=GPT_FILE,
@@ -153,6 +159,7 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(3,),
         check="check_attention",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=6, title="GPT._init_weights", file=GPT_FILE, sections=("exercise-6",), phase=1,
@@ -170,6 +177,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "nn.init.zeros_ for a bias if there is one; nn.init.ones_ for RMSNorm.weight",
         ),
         check="check_init_weights",
+        lesson="workshop/session-a/slides.md",
     ),
     Exercise(
         number=7, title="GPT.forward", file=GPT_FILE, sections=("exercise-7",), phase=1,
@@ -191,6 +199,7 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(1, 2, 3, 4, 5, 6),
         check="check_gpt_forward",
+        lesson="workshop/session-a/slides.md",
     ),
     # ------------------------------------------------------------ phase 2: the training loop
     Exercise(
@@ -211,6 +220,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "once, and it must be in one group only",
         ),
         check="check_setup_optimizer",
+        lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),
     Exercise(
@@ -230,6 +240,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "is the fraction of the distance from min_lr to lr still left",
         ),
         check="check_get_lr",
+        lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),
     Exercise(
@@ -255,6 +266,7 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(8, 9),
         check="check_train_step",
+        lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),
     Exercise(
@@ -276,6 +288,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "map_location='cpu'), then load each piece back and return the state",
         ),
         check="check_checkpoint",
+        lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),
     # ------------------------------------------------------------ phase 3: FSDP
@@ -302,6 +315,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "within groups of self.shard_group_size ranks (a node) and replicates across groups",
         ),
         check="check_sharding_strategy",
+        lesson="course/week-2/fsdp.md",
     ),
     Exercise(
         number=13, title="FSDPTrainer._get_mixed_precision_policy", file=FSDP_FILE,
@@ -329,6 +343,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "param_dtype, so fp32 activations never meet bf16 weights in a matmul",
         ),
         check="check_mixed_precision_policy",
+        lesson="course/week-2/fsdp.md",
     ),
     Exercise(
         number=14, title="FSDPTrainer._get_fsdp_policy", file=FSDP_FILE,
@@ -348,6 +363,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "unit, so the model itself (embedding, lm_head, final norm) comes LAST",
         ),
         check="check_fsdp_policy",
+        lesson="course/week-2/fsdp.md",
     ),
     Exercise(
         number=15, title="FSDPTrainer.save_checkpoint", file=FSDP_FILE,
@@ -370,6 +386,7 @@ EXERCISES: tuple[Exercise, ...] = (
         ),
         depends_on=(12, 13, 14),
         check="check_fsdp_checkpoint",
+        lesson="course/week-2/fsdp.md",
     ),
     # ------------------------------------------------------------ phase 4: the parallelisms
     # Each exercise is a function of the course's from-scratch modules (snippets/scratch/):
@@ -398,6 +415,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "copy (copy, do not add) and is the one you pass on at the next step; return tensor",
         ),
         check="check_ring_all_reduce",
+        lesson="course/week-1/ring-allreduce.md",
     ),
     Exercise(
         number=17, title="ShardedSampler (sampler.py)", file=SAMPLER_FILE,
@@ -423,6 +441,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "rank: strided, not a contiguous block",
         ),
         check="check_sampler",
+        lesson="course/week-1/ddp-from-scratch.md",
     ),
     Exercise(
         number=18, title="one_f_one_b_schedule (pipeline.py)", file=PIPELINE_FILE,
@@ -444,6 +463,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "gradients back in the order it ran them",
         ),
         check="check_one_f_one_b",
+        lesson="course/week-3/pipeline-from-scratch.md",
     ),
     Exercise(
         number=19, title="f, g and the parallel linears (tensor_parallel.py)", file=TP_FILE,
@@ -474,6 +494,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "then sum it over the ranks (all-reduce a clone) and return it",
         ),
         check="check_tensor_parallel",
+        lesson="course/week-4/tensor-parallel-from-scratch.md",
     ),
     Exercise(
         number=20, title="OverlappedDDP's hooks (ddp.py)", file=DDP_SCRATCH_FILE,
@@ -498,6 +519,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "self.callback_queued = False; or the next backward never fills a bucket",
         ),
         check="check_overlapped_ddp",
+        lesson="course/week-1/ddp-from-scratch.md",
     ),
     Exercise(
         number=21, title="ZeRO1Optimizer.step (zero.py)", file=ZERO_FILE,
@@ -520,6 +542,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "the step; gathered before it, the other shards stay a step behind",
         ),
         check="check_zero1",
+        lesson="course/week-2/zero-from-scratch.md",
     ),
     Exercise(
         number=22, title="ZeRO2Optimizer._grad_ready (zero.py)", file=ZERO_FILE,
@@ -543,6 +566,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "checks it)",
         ),
         check="check_zero2",
+        lesson="course/week-2/zero-from-scratch.md",
     ),
     Exercise(
         number=23, title="ZeRO-3's gather, free and re-gather (zero.py)", file=ZERO_FILE,
@@ -568,6 +592,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "(reduce-scatter, then free) are already registered in __init__",
         ),
         check="check_zero3",
+        lesson="course/week-2/zero-from-scratch.md",
     ),
     Exercise(
         number=24, title="dispatch_to_experts (moe.py)", file=MOE_FILE,
@@ -591,6 +616,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "trip is the same all_to_all with the splits swapped",
         ),
         check="check_moe_dispatch",
+        lesson="course/week-3/moe.md",
     ),
     Exercise(
         number=25, title="SP's gather and scatter edges (sequence_parallel.py)",
@@ -623,6 +649,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "sum it over the group and return the sum",
         ),
         check="check_sequence_parallel",
+        lesson="course/week-4/sequence-parallel.md",
     ),
     Exercise(
         number=26, title="the 3-D process groups (three_d.py)", file=THREE_D_FILE,
@@ -645,6 +672,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "and keeps the group when rank in ranks",
         ),
         check="check_3d_groups",
+        lesson="course/week-4/three-d.md",
     ),
     Exercise(
         number=27, title="make_buckets and BucketedDDP.sync_gradients (ddp.py)",
@@ -666,6 +694,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "to the mean: all_reduce sums, and each rank's loss was a mean over its own examples",
         ),
         check="check_bucketed_ddp",
+        lesson="course/week-1/ddp-from-scratch.md",
     ),
 )
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 from snippets.exercises.checks_model import _max_diff
 from snippets.exercises.checks_trainer import _ref_trainer
+from snippets.exercises import predictions
 from snippets.exercises.gang import run_learner, shows_prints
 from snippets.exercises.runner import CheckFailed
 from snippets.models import gpt as ref
@@ -22,7 +23,8 @@ from snippets.models import gpt as ref
 #
 # As in phase 2, each check runs the learner's method inside the solution's trainer. Exercises
 # 12 and 13 measure what the learner's answer makes FSDP2 do on two processes; 14 runs FSDP2
-# for real in a process group of one; 15 gathers shards, so it runs on two processes.
+# for real in a process group of one; 15 gathers shards, so it runs on two processes. 12-14 ask
+# for the learner's predictions of what they measure first, and grade them (predictions.py).
 
 FSDP_EXERCISE_METHODS = ("_get_sharding_strategy", "_get_mixed_precision_policy",
                          "_get_fsdp_policy", "save_checkpoint")
@@ -181,6 +183,7 @@ def _judge_hybrid(learner: ModuleType) -> None:
 
 
 def check_sharding_strategy(learner: ModuleType) -> list[str]:
+    predicted = predictions.require(12, learner)  # before anything measured is shown
     _judge_hybrid(learner)
     measured = run_learner(learner, _strategy_worker, STRATEGY_WORLD)[0]  # the ranks agree
     for name in MEASURED_STRATEGIES:
@@ -196,8 +199,12 @@ def check_sharding_strategy(learner: ModuleType) -> list[str]:
         raise CheckFailed(message)
     passed = [f"measured on {STRATEGY_WORLD} ranks, {name}: {_measured(measured[name])}"
               for name in MEASURED_STRATEGIES]
+    graded = predictions.grade(12, predicted, {
+        name: {"stored_percent": m["stored"], "held_percent": m["held"],
+               "forward_all_gathers": m["forward"], "backward_all_gathers": m["backward"]}
+        for name, m in measured.items()})
     return passed + ["HYBRID_SHARD on 8 ranks in groups of 4: a (2, 4) mesh of (replicas, "
-                     "shards), FULL_SHARD inside each group"]
+                     "shards), FULL_SHARD inside each group"] + graded
 
 
 # ---------------------------------------------------------------- exercise 13: precision
@@ -354,6 +361,7 @@ def _judge_precision(name: str, got: dict, policy, fp32: dict | None) -> None:
 def check_mixed_precision_policy(learner: ModuleType) -> list[str]:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
+    predicted = predictions.require(13, learner)  # before anything measured is shown
     cls = _fsdp_trainer_class(learner, "_get_mixed_precision_policy")
     policies = {}
     for name in PRECISIONS:
@@ -389,11 +397,16 @@ def check_mixed_precision_policy(learner: ModuleType) -> list[str]:
             f"{_total(got['regathered'])} more (the blocks') and reduce-scatters "
             f"{_total(got['reduced'])} of float32 gradients; the loss comes back in float32, "
             f"and a block handed fp32 activations computes in {got['block on fp32']}")
+    measured = {name: {"forward_all_gather_bytes": sum(s for _, _, s in got["gathered"]),
+                       "backward_reduce_scatter_bytes": sum(s for _, _, s in got["reduced"]),
+                       "loss_dtype": got["loss dtype"],
+                       "block_on_fp32_activations": got["block on fp32"]}
+                for name, got in ranks[0].items()}
     return passed + [
         "bf16 and fp16: each rank's loss within twice its logits' largest change of the fp32 "
         "run's, the most a cross-entropy computed in fp32 can move",
         f"the shards stay {', '.join(ranks[0]['bf16']['stored'])}; an unknown name raises an "
-        "error listing bf16, fp16, fp32"]
+        "error listing bf16, fp16, fp32"] + predictions.grade(13, predicted, measured)
 
 
 # ---------------------------------------------------------------- exercise 14: FSDP units
@@ -423,6 +436,7 @@ def _whole_at_peak(model: nn.Module) -> int:
 def check_fsdp_policy(learner: ModuleType) -> list[str]:
     from torch.distributed.fsdp import FSDPModule
 
+    predicted = predictions.require(14, learner)  # before anything measured is shown
     cls = _fsdp_trainer_class(learner, "_get_fsdp_policy")
     quiet = type("Plain", (_ref_trainer().DistributedTrainer,), {"log": lambda self, m: None})
     fresh = ref.GPT(ref.get_config("tiny"))
@@ -476,6 +490,16 @@ def check_fsdp_policy(learner: ModuleType) -> list[str]:
                 "the model")
         passed = [f"units: {', '.join(blocks)} and the model itself, applied bottom-up; "
                   f"{measured}"]
+        if predicted is not None:  # the other layout the learner predicted: the model alone
+            alone = _fsdp_trainer(_fsdp_trainer_class(
+                learner, "_get_fsdp_policy", _get_fsdp_policy=lambda self, m: [m]), learner)
+            graded = predictions.grade(14, predicted, {
+                "model_alone": {"all_gathers_per_forward": sum(
+                    isinstance(m, FSDPModule) for m in alone.model.modules()),
+                    "peak_percent_whole": _whole_at_peak(alone.model)},
+                "blocks_then_model": {"all_gathers_per_forward": n,
+                                      "peak_percent_whole": _whole_at_peak(model)}})
+            passed += graded
 
         solution = _ref_trainer()
         reference = quiet(ref.get_config("tiny", max_position_embeddings=16),

@@ -1,8 +1,10 @@
 // Tickable checklists. pymdownx.tasklist (custom_checkbox: true) renders `- [ ] item` as a
 // disabled checkbox; this enables the boxes on pages that opt in (a `data-checklist` element
 // anywhere in the article) and remembers each tick in this browser's localStorage, keyed by the
-// page's path and the item's own text, so a reworded item starts unticked and reordering items
-// keeps their state. Nothing leaves the browser.
+// page's path and the item's id: an empty `<span data-checklist-id="ex-16"></span>` at the start
+// of the item, so rewording or reordering items keeps their state. An item without an id is keyed
+// by its text. A tick stored under an item's text (as before ids existed) moves to its id the
+// first time the page is wired up. Nothing leaves the browser.
 // document$ (Material) re-fires after every instant-navigation page change, so the boxes of a
 // page reached by a link are wired up too, not only those of the first page loaded.
 (function () {
@@ -14,9 +16,31 @@
     return copy.textContent.replace(/\s+/g, " ").trim();
   }
 
+  function pageKey() {
+    return PREFIX + window.location.pathname.replace(/index\.html$/, "") + "::";
+  }
+
+  function itemId(li) {
+    const marker = li.querySelector(":scope > [data-checklist-id], :scope > p > [data-checklist-id]");
+    return marker ? marker.dataset.checklistId : null;
+  }
+
   function storageKey(li) {
-    const path = window.location.pathname.replace(/index\.html$/, "");
-    return PREFIX + path + "::" + itemText(li);
+    const id = itemId(li);
+    return pageKey() + (id ? "#" + id : itemText(li));
+  }
+
+  // A tick stored under the item's text, from before the item had an id: move it to the id.
+  function migrate(li) {
+    if (!itemId(li)) return;
+    const old = pageKey() + itemText(li);
+    try {
+      if (window.localStorage.getItem(old) === null) return;
+      if (window.localStorage.getItem(old) === "1") window.localStorage.setItem(storageKey(li), "1");
+      window.localStorage.removeItem(old);
+    } catch (err) {
+      /* storage blocked: nothing to move */
+    }
   }
 
   function read(key) {
@@ -50,6 +74,7 @@
     article.querySelectorAll(".task-list-item").forEach((li) => {
       const box = li.querySelector(":scope > label > input[type=checkbox], :scope > input[type=checkbox]");
       if (!box || box.dataset.checklistWired) return;
+      migrate(li);
       const key = storageKey(li);
       box.disabled = false;
       box.checked = read(key);
