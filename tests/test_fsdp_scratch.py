@@ -216,3 +216,24 @@ def test_bad_input_is_a_clear_error():
         FSDP(make_model(), replicate_below=-1)
     with pytest.raises(RuntimeError, match="init_process_group"):
         FSDP(make_model())  # no process group in this process
+
+
+def unused_parameter_worker(rank, world_size):
+    model = make_model()
+    model.layers[0].unused = torch.nn.Parameter(torch.zeros(8))  # in the unit, never in the loss
+    fsdp = FSDP(model)
+    inputs, targets = shift_for_next_token(BATCHES[0].chunk(world_size)[rank])
+    try:
+        fsdp(inputs, targets)[1].backward()
+    except RuntimeError as error:
+        return str(error)
+    return "backward returned"
+
+
+def test_a_parameter_without_a_gradient_is_an_error_not_a_silently_unreduced_unit():
+    """A unit is reduced once every parameter's gradient is in: without the end-of-backward
+    check, one unused parameter left layers.0 unreduced on every rank and training went on."""
+    messages = run(unused_parameter_worker, 2)
+    for message in messages:
+        assert message.startswith("FSDP unit 'layers.0' was not reduced: backward gave no "
+                                  "gradient to layers.0.unused."), message

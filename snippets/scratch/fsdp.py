@@ -180,6 +180,9 @@ class FSDP:
             raise ValueError(f"replicate_below={replicate_below} must be >= 0 (0: shard all)")
         self.module, self.prefetch, self.comm = model, prefetch, comm or CommStats()
         self.timeline = None  # set to a list to record (time, event, unit) on this rank
+        self.param_names = {id(p): name for name, p in model.named_parameters()}
+        self.unreduced = set()  # units that ran forward for a backward and are not reduced yet
+        self.backward_check_queued = False
         blocks = list(units if units is not None else getattr(model, "layers", []))
         names = {id(m): name or "root" for name, m in model.named_modules()}
         fp32_ids = {id(p) for m in model.modules() if isinstance(m, mp.fp32_modules)
@@ -243,10 +246,15 @@ class FSDP:
         outputs = [t for t in tensors_in(output) if t.requires_grad]
         if not outputs:  # no backward will come (evaluation, torch.no_grad)
             unit.apply("to_shards")
+        else:
+            self.unreduced.add(unit)
         for t in outputs:  # backward reaches this unit when its output's gradient is known
             t.register_hook(lambda grad, u=unit: self._before_backward(u))
 
     def _before_backward(self, unit: Unit) -> None:
+        if not self.backward_check_queued:  # the first hook of this backward
+            self.backward_check_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._check_all_reduced)
         if unit.gathered() and not unit.waiting():
             return  # a second output of the same unit (the loss and the logits)
         self._ready(unit, self.next_backward.get(unit))
@@ -261,6 +269,22 @@ class FSDP:
         self._log("reduce-scatter", unit)
         for method in ("reduce", "free", "to_shards"):
             unit.apply(method)
+        self.unreduced.discard(unit)
+
+    def _check_all_reduced(self) -> None:
+        """At the end of backward: a unit is reduced when all its parameters' gradients are in,
+        so one parameter without a gradient (unused this step, an expert no token chose) would
+        leave the whole unit unreduced, its gradients missing on every rank, without a word."""
+        self.backward_check_queued = False
+        missing = [(unit, [self.param_names[id(p)] for p in unit.params if p.grad is None])
+                   for unit in self.units if unit in self.unreduced]
+        if missing:
+            unit, names = missing[0]
+            raise RuntimeError(
+                f"FSDP unit {unit.name!r} was not reduced: backward gave no gradient to "
+                f"{', '.join(names) or 'its parameters'}. Every parameter of a unit must take part "
+                "in the loss each step; remove the unused ones, or freeze them (requires_grad=False) "
+                "before wrapping")
 # --8<-- [end:fsdp]
 
     # --8<-- [start:clip]
