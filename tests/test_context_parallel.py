@@ -96,7 +96,8 @@ def scratch(rank, world_size):
     out.backward(shard_sequence(d_out, rank, world_size))
     saved = saved_bytes(RingAttention.apply, *mine, Ring())
     return {"out": out.detach(), "grads": [t.grad for t in mine], "sent": dict(ring.bytes_sent),
-            "messages": dict(ring.messages), "scores": dict(ring.scores), "saved": saved}
+            "messages": dict(ring.messages), "scores": dict(ring.scores),
+            "overlapped": dict(ring.overlapped), "saved": saved}
 
 
 def library(rank, world_size):
@@ -192,6 +193,19 @@ def test_the_public_api_does_not_run_on_cpu(ranks):
             "NotImplementedError: Operator aten._scaled_dot_product_flash_attention_for_cpu"
             ".default does not have a sharding strategy registered.")
 # --8<-- [end:tests-library]
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_k_v_pass_moves_while_a_block_is_computed(ranks, world_size):
+    """The page's claim that the transfer hides behind the attention work, as a property of the
+    order: every K/V pass, forward and backward, is waited on only after a block's scores were
+    computed since it started (a pass waited on at once would not count). The gradients'
+    passes in backward are waited on at once, as the page says (its exercise changes that)."""
+    hops = world_size - 1
+    for r in ranks[world_size]:
+        assert r["scratch"]["overlapped"].get("forward", 0) == hops
+        assert r["scratch"]["overlapped"].get("backward", 0) == hops  # of 2 x hops passes
+        assert r["scratch"]["messages"]["backward"] == 2 * hops
 
 
 # --8<-- [start:tests-bytes]

@@ -204,6 +204,11 @@ def test_prefetch_issues_the_next_all_gather_before_the_unit_computes():
     assert issued < order.index(("forward", "layers.0"))  # forward: next block, ahead
     issued = order.index(("all-gather issued", "layers.0"), order.index(("backward", "root")))
     assert issued < order.index(("backward", "layers.1"))  # backward: previous block, ahead
+    # ... and still in flight while the unit computes: its wait comes only when it is needed
+    # (an all-gather waited on at once, right after it is issued, would log no wait at all)
+    assert order.index(("wait", "layers.1")) > order.index(("forward", "layers.0"))
+    backward = order.index(("backward", "root"))
+    assert order.index(("wait", "layers.0"), backward) > order.index(("backward", "layers.1"))
     order = orders[False]  # without prefetch, each all-gather is issued when its unit runs
     assert order.index(("all-gather issued", "layers.1")) > order.index(("forward", "layers.0"))
 # --8<-- [end:prefetch]

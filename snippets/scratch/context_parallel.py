@@ -72,6 +72,7 @@ class Ring:
     bytes_sent: Counter = field(default_factory=Counter)  # phase -> bytes
     messages: Counter = field(default_factory=Counter)  # phase -> sends
     scores: Counter = field(default_factory=Counter)  # phase -> query-key scores computed
+    overlapped: Counter = field(default_factory=Counter)  # phase -> passes with scores computed in flight
 
     @property
     def rank(self) -> int:
@@ -83,7 +84,7 @@ class Ring:
 
     def start_pass(self, tensor: torch.Tensor, phase: str):
         """Start sending `tensor` to rank+1 and receiving rank-1's (same shape); returns the
-        receive buffer and the handles to wait on. The caller must not modify `tensor` until
+        receive buffer and the pass to wait on. The caller must not modify `tensor` until
         then."""
         received = torch.empty_like(tensor)
         self.bytes_sent[phase] += tensor.numel() * tensor.element_size()
@@ -91,11 +92,22 @@ class Ring:
         handles = [dist.isend(tensor.contiguous(), group=self.group,
                               group_dst=(self.rank + 1) % self.size),
                    dist.irecv(received, group=self.group, group_src=(self.rank - 1) % self.size)]
-        return received, handles
+        return received, Pass(handles, phase, self.scores[phase])
 
-    def wait(self, handles) -> None:
-        for handle in handles:
+    def wait(self, transfer: "Pass") -> None:
+        for handle in transfer.handles:
             handle.wait(self.timeout)
+        if self.scores[transfer.phase] > transfer.scores_at_start:  # computed while it moved
+            self.overlapped[transfer.phase] += 1
+
+
+@dataclass
+class Pass:
+    """One send/receive in flight, and how much attention was computed when it started."""
+
+    handles: list
+    phase: str
+    scores_at_start: int
 # --8<-- [end:ring]
 
 
@@ -151,7 +163,7 @@ class RingAttention(torch.autograd.Function):
         out = lse = None
         for step in range(ring.size):
             if step < ring.size - 1:  # pass the block on while computing with it
-                next_kv, handles = ring.start_pass(kv, "forward")
+                next_kv, transfer = ring.start_pass(kv, "forward")
             rows, cols, causal = blocks_at_step(ring.rank, (ring.rank - step) % ring.size,
                                                 q.shape[2])
             block_out, block_lse = attention_block(q[:, :, rows], kv[0][:, :, cols],
@@ -163,7 +175,7 @@ class RingAttention(torch.autograd.Function):
                 out[:, :, rows], lse[:, :, rows] = merge(out[:, :, rows], lse[:, :, rows],
                                                          block_out, block_lse)
             if step < ring.size - 1:
-                ring.wait(handles)
+                ring.wait(transfer)
                 kv = next_kv
         ctx.save_for_backward(q, k, v, out, lse.squeeze(-1))
         ctx.ring = ring
@@ -182,7 +194,7 @@ class RingAttention(torch.autograd.Function):
         kv, d_kv_mine, travelling = torch.stack([k, v]), None, None
         for step in range(ring.size):
             if step < ring.size - 1:
-                next_kv, handles = ring.start_pass(kv, "backward")
+                next_kv, transfer = ring.start_pass(kv, "backward")
             rows, cols, causal = blocks_at_step(ring.rank, (ring.rank - step) % ring.size,
                                                 q.shape[2])
             k_block, v_block = kv[0][:, :, cols], kv[1][:, :, cols]
@@ -199,10 +211,10 @@ class RingAttention(torch.autograd.Function):
                 d_kv_mine = d_kv
             else:  # add to the gradient travelling with this K/V block, and pass it on
                 travelling = d_kv if step == 1 else travelling + d_kv
-                travelling, d_handles = ring.start_pass(travelling, "backward")
-                ring.wait(d_handles)
+                travelling, d_transfer = ring.start_pass(travelling, "backward")
+                ring.wait(d_transfer)
             if step < ring.size - 1:
-                ring.wait(handles)
+                ring.wait(transfer)
                 kv = next_kv
         if travelling is not None:  # after N-1 hops it arrived back from rank-1: mine
             d_kv_mine = d_kv_mine + travelling
