@@ -114,3 +114,54 @@ def test_gpu_dockerfile_parses_and_pins_torch_first():
     for manifest in ("indexed-job.yaml", "pytorchjob.yaml"):
         assert f"image: {tag}" in (K8S / manifest).read_text()
 # --8<-- [end:dockerfile]
+
+
+def without_rdma(job: dict) -> dict:
+    """The RDMA manifest with its four additions taken out again."""
+    job = copy.deepcopy(job)
+    job["metadata"]["name"] = "train-gpt"
+    for replica in job["spec"]["pytorchReplicaSpecs"].values():
+        template = replica["template"]
+        del template["metadata"]
+        container = template["spec"]["containers"][0]
+        del container["securityContext"]
+        del container["resources"]["limits"]["rdma/rdma_shared_device_a"]
+        container["env"] = [{"name": "NCCL_DEBUG", "value": "WARN"}]
+    return job
+
+
+def test_rdma_job_is_the_tcp_job_plus_its_rdma_parts():
+    """The RDMA variant validates, and differs from pytorchjob.yaml only by what RDMA needs
+    (device, IPC_LOCK, fabric network, NCCL variables): the two files cannot drift apart."""
+    assert validate_file(K8S / "pytorchjob-rdma.yaml")[0].startswith(
+        "ok  pytorchjob-rdma.yaml: PyTorchJob/train-gpt-rdma")
+    (rdma,) = load_manifests(K8S / "pytorchjob-rdma.yaml")
+    (tcp,) = load_manifests(K8S / "pytorchjob.yaml")
+    assert without_rdma(rdma) == tcp
+
+
+def rdma_edit(edit):
+    (job,) = load_manifests(K8S / "pytorchjob-rdma.yaml")
+    edit(job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"])
+    return job
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda t: t["spec"]["containers"][0].pop("securityContext"), r"Worker: .*\[IPC_LOCK\]"),
+    (lambda t: t.pop("metadata"), r"Worker: .*no network on the fabric"),
+    (lambda t: t["spec"]["containers"][0]["env"].append({"name": "NCCL_IB_DISABLE", "value": "1"}),
+     r"Worker: .*NCCL_IB_DISABLE=1"),
+])
+def test_an_rdma_request_nccl_could_not_use_is_refused(edit, message):
+    job = rdma_edit(edit)
+    validate_pytorchjob(job)  # valid Kubernetes: NCCL would quietly run over TCP
+    with pytest.raises(ManifestError, match=message):
+        check_pytorchjob(job)
+
+
+def test_host_network_is_a_fabric_network_too():
+    def host_network(template):
+        del template["metadata"]
+        template["spec"]["hostNetwork"] = True
+
+    check_pytorchjob(rdma_edit(host_network))

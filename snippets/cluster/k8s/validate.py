@@ -100,6 +100,33 @@ def _check_shm(where: str, pod: dict) -> None:
 
 
 # --8<-- [start:cross-checks]
+RDMA_RESOURCES = ("rdma/", "nvidia.com/hostdev")  # the shared device plugin's, host-device's
+MULTUS = "k8s.v1.cni.cncf.io/networks"
+
+
+def _check_rdma(where: str, template: dict) -> None:
+    """A pod that asks for an RDMA device must be able to use it, or NCCL falls back to TCP."""
+    pod = template["spec"]
+    for container in pod["containers"]:
+        env = {e["name"]: e.get("value") for e in container.get("env", [])}
+        limits = container.get("resources", {}).get("limits", {})
+        if not any(name.startswith(RDMA_RESOURCES) for name in limits):
+            continue
+        added = container.get("securityContext", {}).get("capabilities", {}).get("add", [])
+        if "IPC_LOCK" not in added:
+            raise ManifestError(f"{where}: container {container['name']} asks for an RDMA device "
+                                "without securityContext.capabilities.add: [IPC_LOCK]; RDMA "
+                                "pins its buffers, which needs locked memory")
+        if MULTUS not in template.get("metadata", {}).get("annotations", {}) and not pod.get(
+                "hostNetwork"):
+            raise ManifestError(f"{where}: container {container['name']} asks for an RDMA device "
+                                f"but the pod has no network on the fabric: add the {MULTUS} "
+                                "annotation (a Multus network) or hostNetwork: true")
+        if env.get("NCCL_IB_DISABLE") == "1":
+            raise ManifestError(f"{where}: container {container['name']} asks for an RDMA device "
+                                "and sets NCCL_IB_DISABLE=1, which keeps NCCL on TCP")
+
+
 def check_indexed_job(job: dict, service: dict) -> None:
     """The torchrun flags, the Job's shape and the headless Service must agree."""
     where, spec = _where(job), job["spec"]
@@ -127,6 +154,7 @@ def check_indexed_job(job: dict, service: dict) -> None:
             raise ManifestError(f"{where}: torchrun --{flag}={flags.get(flag)}, expected "
                                 f"--{flag}={value}")
     _check_shm(where, pod)
+    _check_rdma(where, spec["template"])
 
 
 def check_pytorchjob(job: dict) -> None:
@@ -145,6 +173,7 @@ def check_pytorchjob(job: dict) -> None:
             raise ManifestError(f"{where}: nprocPerNode {job['spec'].get('nprocPerNode')!r} "
                                 f"but {role} asks for {gpus} GPUs: one process per GPU")
         _check_shm(f"{where} {role}", pod)
+        _check_rdma(f"{where} {role}", replica["template"])
 # --8<-- [end:cross-checks]
 
 
