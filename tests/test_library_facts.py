@@ -879,3 +879,30 @@ def test_the_stated_python_is_the_oldest_every_pin_installs_on():
     assert re.findall(r"You need Python (3\.\d+)\+", readme) == [minor]
     assert [groups for _, groups in stated("index.md", r"You need Python (3\.\d+) or newer")] == [
         (minor,)]
+
+
+def test_flight_recorder_dump_location_and_reader():
+    """gpu-operations.md: where the dumps go, and what torchfrtrace's options do. The writer is
+    C++ (DebugInfoWriter::getWriter, not shipped as source): the pinned library holds the names
+    of the variables it reads and the default file name; the reader is Python."""
+    from torch.distributed.flight_recorder.components.config_manager import JobConfig
+    from tests.test_facts import TORCH_DIR
+
+    page = "workshop/session-c/gpu-operations.md"
+    stated(page, r"The prefix comes from `TORCH_FR_DUMP_TEMP_FILE` \(the older name `TORCH_NCCL_DEBUG_INFO_TEMP_FILE`"
+                 r" still works\); left unset, it is `comm_lib_trace_rank_` under `\$XDG_CACHE_HOME/torch`, else"
+                 r" `~/.cache/torch`")
+    library = (TORCH_DIR / "lib" / "libtorch_cpu.so").read_bytes()
+    for name in (b"TORCH_FR_DUMP_TEMP_FILE\0", b"TORCH_NCCL_DEBUG_INFO_TEMP_FILE\0", b"XDG_CACHE_HOME\0",
+                 b"/.cache\0", b"/torch\0", b"comm_lib_trace_r"):
+        assert name in library, name
+    entry_points = next(TORCH_DIR.parent.glob("torch-*.dist-info")) / "entry_points.txt"
+    assert "torchfrtrace = torch.distributed.flight_recorder.fr_trace:main" in entry_points.read_text()
+    stated(page, r"\(`--mismatch_cap`, 10 by default\)")
+    stated(page, r"`--selected-ranks` works only\s+with `-j`")
+    parser = JobConfig()
+    args = parser.parse_args(["dumps", "--prefix", "rank_", "-j", "--selected-ranks", "3", "5"])
+    assert (args.prefix, args.just_print_entries, args.selected_ranks, args.mismatch_cap) == ("rank_", True, [3, 5], 10)
+    assert args.allow_incomplete_ranks is False
+    with pytest.raises(AssertionError, match="Not support selecting ranks without printing entries"):
+        parser.parse_args(["dumps", "--selected-ranks", "3"])
