@@ -906,3 +906,165 @@ def test_flight_recorder_dump_location_and_reader():
     assert args.allow_incomplete_ranks is False
     with pytest.raises(AssertionError, match="Not support selecting ranks without printing entries"):
         parser.parse_args(["dumps", "--selected-ranks", "3"])
+
+
+# ------------------------------------------- the second audit (issue 34): one claim, one source
+
+def test_distributed_debug_levels_and_unused_parameter_names():
+    # environment-variables.md: OFF is the default, and INFO already makes DDP's unused-parameter
+    # error name the parameters (the message is compiled into the reducer; the wheel ships it).
+    from tests.test_facts import TORCH_DIR
+    page = "reference/environment-variables.md"
+    [(line, (default, first, second, named_a, named_b))] = stated(
+        page, r"\| `TORCH_DISTRIBUTED_DEBUG` \| `(\w+)` \(default\), `(\w+)`, `(\w+)`\. With `(\w+)` or `(\w+)`,"
+              r" DDP's unused-parameter errors name the parameters")
+    library = (TORCH_DIR / "lib" / "libtorch_cpu.so").read_bytes()
+    levels = f"The value of TORCH_DISTRIBUTED_DEBUG must be {default}, {first}, or {second}.".encode()
+    assert levels in library, f"docs/{page}:{line}"
+    names = (f"TORCH_DISTRIBUTED_DEBUG to either {named_a} or {named_b} to print out information about which"
+             " particular parameters did not receive gradient").encode()
+    assert names in library, f"docs/{page}:{line}"
+    before = dist.get_debug_level()
+    saved = os.environ.pop("TORCH_DISTRIBUTED_DEBUG", None)
+    try:
+        dist.set_debug_level_from_env()  # unset: the default
+        assert dist.get_debug_level().name == default, f"docs/{page}:{line}"
+    finally:
+        if saved is not None:
+            os.environ["TORCH_DISTRIBUTED_DEBUG"] = saved
+        dist.set_debug_level(before)
+
+
+def test_gradscaler_skips_an_overflowing_step_and_halves_the_scale():
+    # cheat-sheets.md and the glossary: dynamic loss scaling skips the step and halves the scale.
+    [(line, (verb,))] = stated("reference/cheat-sheets.md",
+                               r"which skips steps whose gradients overflow and (\w+) the scale")
+    stated("reference/glossary.md", r"skip steps that overflow and halve \$S\$ \(dynamic scaling\)")
+    factor = {"halves": 0.5}[verb]
+    assert inspect.signature(torch.amp.GradScaler).parameters["backoff_factor"].default == factor, \
+        f"docs/reference/cheat-sheets.md:{line}"
+    p = torch.nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=1.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=4.0)
+    scaler.scale(torch.tensor(1.0))  # starts the scaler, as scaler.scale(loss) would
+    p.grad = torch.tensor([math.inf, 1.0])
+    scaler.step(opt)
+    scaler.update()
+    assert p.tolist() == [1.0, 1.0] and scaler.get_scale() == 4.0 * factor
+
+
+def test_ddp_broadcasts_rank_0s_weights_at_construction():
+    # glossary and interview.md: DDP starts every replica from rank 0's weights.
+    for page, pattern in [("reference/glossary.md", r"DDP broadcasts rank (\d)'s initial weights"),
+                          ("reference/interview.md", r"\(rank (\d)'s\s+weights are broadcast once at the start\)")]:
+        [(line, (rank,))] = stated(page, pattern)
+        src = inspect.getsource(torch.nn.parallel.DistributedDataParallel.__init__)
+        assert re.search(rf"_sync_module_states\([^)]*src={rank},", src), f"docs/{page}:{line}"
+    assert inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters["init_sync"].default is True
+    from torch.distributed import utils
+    assert "dist._broadcast_coalesced(" in inspect.getsource(utils._sync_params_and_buffers)
+
+
+def test_shard_grad_op_holds_the_weights_from_forward_to_the_end_of_backward():
+    # zero-concept.md: FSDP's SHARD_GRAD_OP is ZeRO-2 during a step; cheat-sheets.md: FSDP2's
+    # reshard_after_forward=False is the same choice (torch itself names the hybrid variant ZERO2).
+    from torch.distributed.fsdp import ShardingStrategy, fully_shard
+    stated("course/week-2/zero-concept.md",
+           r"FSDP's \"shard grad op\" strategy is ZeRO-2 in what it sends and\s+what it holds during a step \(it"
+           r" gathers the weights once, before forward, and keeps them whole\s+until backward ends; only between"
+           r" steps are they sharded too\)")
+    doc = re.sub(r"\s+", " ", inspect.getdoc(ShardingStrategy))
+    assert ("``SHARD_GRAD_OP``: Gradients and optimizer states are sharded during computation, and additionally,"
+            " parameters are sharded outside computation. For the parameters, this strategy unshards before the"
+            " forward, does not reshard them after the forward, and only reshards them after the backward"
+            " computation.") in doc
+    assert "``_HYBRID_SHARD_ZERO2``: Apply ``SHARD_GRAD_OP`` within a node" in doc
+    stated("reference/cheat-sheets.md", r"FSDP2 `fully_shard` \(ZeRO-3; `reshard_after_forward=False` is ZeRO-2\)")
+    doc = re.sub(r"\s+", " ", inspect.getdoc(fully_shard))
+    assert ("If ``False``, then this keeps the unsharded parameters in memory after forward and avoids the"
+            " all-gather in backward.") in doc
+
+
+def test_e4m3fn_has_no_infinity_and_one_nan_pattern():
+    # low-precision.md: e4m3fn's all-ones exponent holds numbers, 256 to 448; only S.1111.111 is NaN.
+    page = "course/week-3/low-precision.md"
+    [(line, (low, high))] = stated(page, r"here holds (\d+) to (\d+), and only S\.1111\.111 is\s+NaN")
+    values = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+    assert [i for i in range(256) if math.isnan(values[i])] == [0b0_1111_111, 0b1_1111_111]
+    assert not torch.isinf(values).any()
+    top_binade = values[0b0_1111_000:0b0_1111_111]  # exponent 1111, mantissa 000 to 110
+    assert (top_binade.min().item(), top_binade.max().item()) == (int(low), int(high)), f"docs/{page}:{line}"
+
+
+def test_pipeline_schedules_scale_grads_split_batches_and_multi_stage_classes():
+    # pipeline-torch.md: the schedules divide the gradients by m unless scale_grads=False; the batch
+    # is cut along dimension 0; the schedules named as holding several stages per rank do.
+    from torch.distributed.pipelining import microbatch, schedules
+    page = "course/week-3/pipeline-torch.md"
+    [(line, (default,))] = stated(page, r"By default \(`scale_grads=(True|False)`\) the schedule divides the"
+                                        r" accumulated\s+gradients by \$m\$ after the last backward")
+    for cls in (schedules.ScheduleGPipe, schedules.Schedule1F1B):
+        assert str(inspect.signature(cls).parameters["scale_grads"].default) == default, f"docs/{page}:{line}"
+        assert "perform_reduce_grad(self._n_microbatches if self.scale_grads else 1)" in \
+            inspect.getsource(cls._step_microbatches), cls
+    stated(page, r"cuts the batch into\s+`n_microbatches` along dimension 0 itself")
+    assert microbatch.DEFAULT_CHUNK_DIM == 0
+    [(line, (paragraph,))] = stated(page, r"Beyond GPipe and 1F1B, the library has the schedules that need more than"
+                                          r" one stage per rank:([\s\S]*?)They take a list of `PipelineStage`s")
+    named = re.findall(r"`(Schedule\w+)`", paragraph)
+    assert len(named) == 5, named
+    for name in named:
+        assert issubclass(getattr(schedules, name), schedules.PipelineScheduleMulti), f"docs/{page}:{line}: {name}"
+
+
+def test_prepare_module_input_hands_on_a_dtensor_by_default():
+    # tensor-parallel-torch.md: q, k and v receive the same DTensor from PrepareModuleInput.
+    from torch.distributed.tensor.parallel import PrepareModuleInput
+    page = "course/week-4/tensor-parallel-torch.md"
+    [(line, (value,))] = stated(page, r"turns the input into a DTensor once \(its `use_local_output` defaults to"
+                                      r" `(True|False)`")
+    assert str(inspect.signature(PrepareModuleInput).parameters["use_local_output"].default) == value, \
+        f"docs/{page}:{line}"
+
+
+def test_deepspeed_default_adam_launcher_checkpoint_names_and_zero_to_fp32():
+    # deepspeed.md, read from DeepSpeed 0.19.8's source: without torch_adam, DeepSpeedCPUAdam when
+    # the optimizer is offloaded, else FusedAdam; the launcher passes --local_rank; model states in
+    # one file below stage 3, one per rank at stage 3; zero_to_fp32's output and shard size.
+    import ast
+    page = "workshop/session-c/deepspeed.md"
+    stated(page, r"without it DeepSpeed picks its fused CUDA Adam on GPUs, or `DeepSpeedCPUAdam` when the"
+                 r" optimizer is offloaded")
+    engine = _source_of("deepspeed", "runtime/engine.py")
+    [choose] = [f for f in ast.walk(ast.parse(engine))
+                if isinstance(f, ast.FunctionDef) and f.name == "get_optimizer_configuration"]
+    choose = ast.get_source_segment(engine, choose)
+    order = ["if torch_adam:", "if self.zero_use_cpu_optimizer():", "DeepSpeedCPUAdam", "return FusedAdam"]
+    assert [choose.index(s) for s in order] == sorted(choose.index(s) for s in order)
+    stated(page, r"starts one process per GPU like `torchrun` and passes each\s+its `--local_rank`")
+    assert 'cmd.append(f"--local_rank={local_rank}")' in _source_of("deepspeed", "launcher/launch.py")
+    [(line, (single,))] = stated(page, r"With stage 2 there is a single `(\w+\.pt)` \(every rank has the whole\s+"
+                                       r"model\); with stage 3 each rank writes its own model-states file")
+    [name] = [f for f in ast.walk(ast.parse(engine)) if isinstance(f, ast.FunctionDef) and f.name == "_get_ckpt_name"]
+    name = ast.get_source_segment(engine, name)
+    assert name.index("if self.zero_optimization_partition_weights():") < name.index('"zero_pp_rank_{}"')
+    assert single == "mp_rank_00_model_states.pt" and '"mp_rank_" + mp_rank_str + "_model_states.pt"' in name, \
+        f"docs/{page}:{line}"
+    [(line, (weights, shard))] = stated(page, r"writes `(\S+)` into `OUTPUT_DIR` \(safetensors\s+with"
+                                              r" `--safe_serialization`; a model larger than `--max_shard_size`,"
+                                              r" (\w+) by default")
+    script = _source_of("deepspeed", "utils/zero_to_fp32.py")
+    assert f'weights_name = "model.safetensors" if safe_serialization else "{weights}"' in script, f"docs/{page}:{line}"
+    assert re.search(rf'"--max_shard_size",\s+type=str,\s+default="{shard}"', script), f"docs/{page}:{line}"
+
+
+def test_torchrun_reads_node_rank_only_for_the_static_rendezvous():
+    # environment-variables.md: NODE_RANK is the scripts' name; torchrun's --node_rank counts only
+    # with the static rendezvous, and its workers get GROUP_RANK (tested above).
+    page = "reference/environment-variables.md"
+    [(line, (backend,))] = stated(page, r"torchrun takes it as `--node_rank` \((\w+) rendezvous only\) and gives"
+                                        r" workers `GROUP_RANK`")
+    from torch.distributed import run
+    src = inspect.getsource(run.config_from_args)
+    assert f'and args.rdzv_backend != "{backend}"' in src, f"docs/{page}:{line}"
+    assert f"node_rank is only used for {backend} rdzv_backend. It will be ignored" in src, f"docs/{page}:{line}"
