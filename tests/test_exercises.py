@@ -200,15 +200,64 @@ def solution_statements(ex) -> list[str]:
     return [re.sub(r"\s+", "", line.split("#")[0]) for line in lines]
 
 
+def lines_given_away(ex, hint: str) -> list[str]:
+    """The lines of ex's solution that hint spells out. Short lines (`self.step += 1`, an API
+    call named by its name) are fair to mention: only lines of 24 characters or more, spaces
+    left out, count as code given away."""
+    code = [line for line in solution_statements(ex) if len(line) >= 24]
+    return [line for line in code if line in re.sub(r"\s+", "", hint)]
+
+
 def test_no_hint_is_the_solutions_code():
-    # A hint guides; it never hands out a line of the solution. Short lines (`self.step += 1`,
-    # an API call named by its name) are fair to mention: only lines of 24 characters or more,
-    # spaces left out, count as code given away.
+    # A hint guides; it never hands out a line of the solution.
     for ex in AVAILABLE:
-        code = [line for line in solution_statements(ex) if len(line) >= 24]
         for number, hint in enumerate(ex.hints, 1):
-            given = [line for line in code if line in re.sub(r"\s+", "", hint)]
+            given = lines_given_away(ex, hint)
             assert not given, f"exercise {ex.number}'s hint {number} is the solution's {given}"
+
+
+def hints_boxes(text: str) -> dict[int, str]:
+    """The `??? tip "Hints"` box of each `## Exercise N.` section of a page, as text."""
+    boxes, number, box = {}, None, None
+    for line in text.splitlines():
+        heading = re.match(r"## Exercise (\d+)\.", line)
+        if heading:
+            number = int(heading[1])
+        if line.startswith('??? tip "Hints"'):
+            box = boxes.setdefault(number, [])
+        elif box is not None and (line.startswith("    ") or not line.strip()):
+            box.append(line.strip())
+        else:
+            box = None
+    return {n: "\n".join(lines).strip() for n, lines in boxes.items()}
+
+
+# What makes a code span a computation rather than a name: arithmetic between two operands
+# (`warmup + i`, not `dim=-1`), a slice, or a loop.
+COMPUTATION = re.compile(r"[\w)\]]\s*[-+*/%]\s*[\w(]|\[[^\]]*:|\bfor\b")
+
+
+def expressions_given_away(ex, box: str) -> list[str]:
+    """The code spans of box that are computations of ex's solution, 14 characters or more
+    (spaces left out). A name, or a call with its arguments (`x.chunk(2, dim=-1)`), is fair to
+    mention, as in the catalog's hints."""
+    code = solution_statements(ex)
+    spans = [span for span in re.findall(r"`([^`]+)`", box) if COMPUTATION.search(span)]
+    compact = [re.sub(r"\s+", "", span) for span in spans]
+    return [span for span in compact if len(span) >= 14 and any(span in line for line in code)]
+
+
+def test_no_hints_box_on_the_pages_is_the_solutions_code():
+    # The phase pages' handwritten Hints boxes follow the catalog's rule, and may not hand out
+    # an expression of the solution in a code span either (1F1B's `("F", warmup + i)`).
+    boxes = {}
+    for page in sorted((ROOT / "docs" / "exercises").glob("phase-*.md")):
+        boxes |= hints_boxes(page.read_text())
+    assert sorted(boxes) == [ex.number for ex in AVAILABLE]
+    for ex in AVAILABLE:
+        given = lines_given_away(ex, boxes[ex.number])
+        given += expressions_given_away(ex, boxes[ex.number])
+        assert not given, f"exercise {ex.number}'s Hints box spells out the solution's {given}"
 
 
 def hints(capsys, *args) -> str:

@@ -2,6 +2,8 @@
 
     python -m snippets.exercises list               the exercises, and which are available
     python -m snippets.exercises stubs [--out DIR]  your copies of the files, exercises blanked
+    python -m snippets.exercises stubs --empty N [--out DIR]
+                                                    exercise N's interface only, in DIR/empty/
     python -m snippets.exercises hints N [--all | --reset] [--workspace DIR]
                                                     what exercise N asks, and its next hint
     python -m snippets.exercises check N|N-M|all [--workspace DIR | --solutions]
@@ -53,22 +55,45 @@ def _workspace_flag(workspace: str) -> str:
 
 def cmd_stubs(args) -> int:
     out = Path(args.out)
+    if args.empty is not None:
+        return stubs_empty(catalog.get(args.empty), out, args.force)
     for w in write_stubs(out, force=args.force):
-        numbers = (f"exercise {w.exercises[0]}" if len(w.exercises) == 1
-                   else f"exercises {w.exercises[0]}-{w.exercises[-1]}")
-        if w.action == "skipped":
-            print(f"skipped {w.path} ({numbers}): it differs from a fresh stub, so it holds your "
-                  "work; --force replaces it and keeps the old file as "
-                  f"{w.path.name}.bak")
-        elif w.action == "replaced":
-            print(f"replaced {w.path} ({numbers}); your previous version is {w.backup}")
-        elif w.action == "unchanged":
-            print(f"unchanged {w.path} ({numbers}): already a fresh stub")
-        else:
-            print(f"wrote {w.path} ({numbers})")
+        _say_written(w)
     print("next: edit the TODOs, then python -m snippets.exercises check 1"
           + _workspace_flag(args.out))
     return 0
+
+
+def stubs_empty(ex, out: Path, force: bool) -> int:
+    from snippets.exercises.empty import write_empty
+
+    if not ex.empty:
+        offered = ", ".join(str(e.number) for e in catalog.EXERCISES if e.empty)
+        raise SystemExit(f"exercise {ex.number} has no empty-file variant; these have one: "
+                         f"{offered}")
+    if not ex.available:
+        raise SystemExit(f"exercise {ex.number} is not available yet: it comes with "
+                         f"{ex.arrives_with}")
+    w = write_empty(ex, out, force=force)
+    _say_written(w)
+    print(f"next: write {', '.join(ex.empty)} from the docstrings in {w.path}, then "
+          f"python -m snippets.exercises check {ex.number} --workspace {out / 'empty'}")
+    return 0
+
+
+def _say_written(w) -> None:
+    numbers = (f"exercise {w.exercises[0]}" if len(w.exercises) == 1
+               else f"exercises {w.exercises[0]}-{w.exercises[-1]}")
+    if w.action == "skipped":
+        print(f"skipped {w.path} ({numbers}): it differs from a fresh stub, so it holds your "
+              "work; --force replaces it and keeps the old file as "
+              f"{w.path.name}.bak")
+    elif w.action == "replaced":
+        print(f"replaced {w.path} ({numbers}); your previous version is {w.backup}")
+    elif w.action == "unchanged":
+        print(f"unchanged {w.path} ({numbers}): already a fresh stub")
+    else:
+        print(f"wrote {w.path} ({numbers})")
 
 
 def cmd_check(args) -> int:
@@ -123,6 +148,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the workspace directory (default: workspace/, ignored by git)")
     p.add_argument("--force", action="store_true",
                    help="replace files that hold your edits (the old file is kept as .bak)")
+    p.add_argument("--empty", type=int, metavar="N",
+                   help="exercise N's empty-file variant instead, in OUT/empty/: its interface "
+                        "only, for you to write whole")
     p = sub.add_parser("hints", help="what an exercise asks, and its next hint")
     p.add_argument("number", type=int)
     which = p.add_mutually_exclusive_group()

@@ -8,7 +8,8 @@ include the same sections as the solutions. Where a section holds more than the 
 course's from-scratch modules, whose sections the lessons include), `blank` names the functions
 whose bodies are blanked instead, signatures and docstrings kept. So adding an exercise is
 adding an entry here, its sections in the module, and its check function: nothing else has to
-change.
+change. An exercise that names functions or classes in `empty` also has an empty-file variant
+(snippets/exercises/empty.py): their interface alone, graded by the same check.
 
 An exercise is *available* once its file, every one of its sections and its check exist; until
 then `list` shows it with `arrives_with`.
@@ -48,6 +49,9 @@ class Exercise:
     blank: tuple[str, ...] = ()
     # The page (relative to docs/) whose lesson teaches this code and ends with this exercise.
     lesson: str = ""
+    # The top-level functions and classes of the empty-file variant (`stubs --empty N`): the
+    # learner gets their interface only (signatures and docstrings) and writes them whole.
+    empty: tuple[str, ...] = ()
 
     @property
     def solution_path(self) -> Path:
@@ -415,6 +419,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "copy (copy, do not add) and is the one you pass on at the next step; return tensor",
         ),
         check="check_ring_all_reduce",
+        empty=("ring_all_reduce",),
         lesson="course/week-1/ring-allreduce.md",
     ),
     Exercise(
@@ -463,6 +468,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "gradients back in the order it ran them",
         ),
         check="check_one_f_one_b",
+        empty=("one_f_one_b_schedule",),
         lesson="course/week-3/pipeline-from-scratch.md",
     ),
     Exercise(
@@ -519,6 +525,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "self.callback_queued = False; or the next backward never fills a bucket",
         ),
         check="check_overlapped_ddp",
+        empty=("OverlappedDDP",),
         lesson="course/week-1/ddp-from-scratch.md",
     ),
     Exercise(
@@ -542,6 +549,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "the step; gathered before it, the other shards stay a step behind",
         ),
         check="check_zero1",
+        empty=("ZeRO1Optimizer",),
         lesson="course/week-2/zero-from-scratch.md",
     ),
     Exercise(

@@ -143,35 +143,32 @@ class Written:
 
 
 def write_stubs(out: Path, force: bool = False) -> list[Written]:
-    """Write a stub of every file that holds an available exercise under out/, mirroring paths.
+    """Write a stub of every file that holds an available exercise under out/, mirroring paths,
+    by write_stub's rule."""
+    return [write_stub(out / file, stub_for(file), [e.number for e in exercises], force)
+            for file, exercises in exercises_by_file().items()]
 
-    A file that differs from a fresh stub holds the learner's work: it is skipped unless force,
-    and even then the old file is kept beside it as <name>.bak (.bak.2, ... if that exists)."""
-    results = []
-    for file, exercises in exercises_by_file().items():
-        target = out / file
-        stub = stub_for(file)
-        numbers = [e.number for e in exercises]
-        if target.exists():
-            if target.read_text(encoding="utf-8") == stub:
-                results.append(Written(target, "unchanged", numbers))
-                continue
-            if not force:
-                results.append(Written(target, "skipped", numbers))
-                continue
-            backup = target.with_name(target.name + ".bak")
-            n = 2
-            while backup.exists():  # an older backup is someone's work too
-                backup = target.with_name(f"{target.name}.bak.{n}")
-                n += 1
-            shutil.copy2(target, backup)
-            target.write_text(stub, encoding="utf-8")
-            results.append(Written(target, "replaced", numbers, backup))
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
+
+def write_stub(target: Path, stub: str, numbers: list[int], force: bool = False) -> Written:
+    """Write stub to target. A file there that differs from the fresh stub holds the learner's
+    work: it is skipped unless force, and even then the old file is kept beside it as
+    <name>.bak (.bak.2, ... if that exists)."""
+    if target.exists():
+        if target.read_text(encoding="utf-8") == stub:
+            return Written(target, "unchanged", numbers)
+        if not force:
+            return Written(target, "skipped", numbers)
+        backup = target.with_name(target.name + ".bak")
+        n = 2
+        while backup.exists():  # an older backup is someone's work too
+            backup = target.with_name(f"{target.name}.bak.{n}")
+            n += 1
+        shutil.copy2(target, backup)
         target.write_text(stub, encoding="utf-8")
-        results.append(Written(target, "wrote", numbers))
-    return results
+        return Written(target, "replaced", numbers, backup)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(stub, encoding="utf-8")
+    return Written(target, "wrote", numbers)
 
 
 def stub_location(text: str, number: int) -> int | None:

@@ -18,7 +18,15 @@ import torch.distributed as dist
 
 # --8<-- [start:ring-all-reduce]
 def ring_all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum `tensor` over all ranks, in place, with a ring of send/recv. Returns `tensor`."""
+    """Sum `tensor` over all ranks, in place, with a ring of send/recv. Returns `tensor`.
+
+    Every rank of the default process group calls it at once, with a contiguous tensor of the
+    same shape and dtype; its size need not divide by the world size. Only point-to-point
+    messages between ring neighbours (rank r sends to r + 1 and receives from r - 1, mod the
+    world size: dist.isend, dist.send, dist.irecv, dist.recv), never a collective: 2(world - 1)
+    sends of one chunk, about 1/world of the tensor, each. No rank may block on a message that
+    no rank is sending yet.
+    """
     rank, world = dist.get_rank(), dist.get_world_size()
     if world == 1:
         return tensor

@@ -121,10 +121,16 @@ class OverlappedDDP(nn.Module):
     last gradient is accumulated; wait for all of them when backward ends.
 
     The training loop needs no sync call: the wait is queued on autograd's engine to run at the
-    end of loss.backward(), so the loop is the single-device loop, unchanged.
+    end of loss.backward(), so the loop is the single-device loop, unchanged. When backward
+    returns, every parameter's .grad holds the mean over the ranks, and the next backward
+    starts afresh.
     """
 
     def __init__(self, module: nn.Module, bucket_cap_mb: float = 25):
+        """Wrap every rank's replica of `module`: start it from rank 0's weights, group its
+        parameters into self.buckets with make_buckets(module, bucket_cap_mb), and hook each
+        parameter, so that backward launches a bucket's all-reduce of bucket.buffer (with
+        async_op=True) as soon as the bucket's last gradient is accumulated."""
         super().__init__()
         self.module = module
         broadcast_parameters(module)
@@ -137,6 +143,7 @@ class OverlappedDDP(nn.Module):
                 p.register_post_accumulate_grad_hook(self._make_hook(bucket))
 
     def forward(self, *args, **kwargs):
+        """The wrapped module's forward, unchanged: only backward communicates."""
         return self.module(*args, **kwargs)
 
     def _make_hook(self, bucket: Bucket):

@@ -92,7 +92,13 @@ def gpipe_schedule(num_micro_batches: int, stage_index: int, num_stages: int) ->
 def one_f_one_b_schedule(num_micro_batches: int, stage_index: int, num_stages: int) -> list:
     """Warm-up forwards, then one forward and one backward in turn, then the last backwards.
 
-    Stage s runs p - s - 1 warm-up forwards, p - s in all before its first backward: just
+    Returns stage s = `stage_index`'s actions, in order: the tuples ("F", i) and ("B", i), once
+    each for every micro-batch i < m = `num_micro_batches`. Of p = `num_stages` stages, stage s
+    runs p - s - 1 warm-up forwards (all m when m is smaller), then pairs of the next forward
+    and the oldest backward not yet run, forward first, then the backwards still owed, oldest
+    first.
+
+    With p - s - 1 warm-up forwards, stage s runs p - s in all before its first backward: just
     enough that, when the pipeline is full, the gradient of micro-batch 0 comes back exactly when
     the stage would otherwise wait. From then on every backward frees one micro-batch's
     activations before the next forward stores another, so stage s holds at most p - s.

@@ -40,6 +40,11 @@ class ZeRO1Optimizer:
     """
 
     def __init__(self, params, comm: CommStats | None = None, **adamw_kwargs):
+        """params: the model's parameters (those that do not require grad are left alone);
+        comm runs and counts the collectives (a new CommStats when None); adamw_kwargs (lr,
+        betas, weight_decay, ...) go to torch.optim.AdamW. Every rank constructs it at once:
+        the FlatShard that lays the parameters end to end starts every rank from rank 0's
+        weights, and this rank's AdamW covers its own 1/N of them only."""
         params = [p for p in params if p.requires_grad]
         self.flat = FlatShard(params)
         self.comm = comm or CommStats()
@@ -55,6 +60,10 @@ class ZeRO1Optimizer:
 
     @torch.no_grad()
     def step(self) -> None:
+        """Average the gradients over the ranks, update this rank's shard with AdamW, and
+        all-gather the updated shards: every rank then holds the weights single-process AdamW
+        gives on the global batch, and each p.grad the gradient's mean over the ranks. One
+        all-reduce and one all-gather per step, made through self.comm, which counts them."""
         for p, g in zip(self.flat.params, self.flat.unflatten(self.flat_grads)):
             if p.grad is None or p.grad.data_ptr() != g.data_ptr():
                 # .grad was set to None or replaced (model.zero_grad()): back into the buffer
@@ -69,6 +78,7 @@ class ZeRO1Optimizer:
         # --8<-- [end:zero1-step]
 
     def zero_grad(self) -> None:
+        """Zero every gradient, ready for the next backward to accumulate into."""
         self.flat_grads.zero_()  # in place: the parameters' .grad stay views into it
 # --8<-- [end:zero1]
 
