@@ -13,7 +13,7 @@ from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
 from snippets.planner import cost_model as cm
 from snippets.planner.flops import training_flops_per_token
 from snippets.planner.memory import measure_activation_bytes
-from snippets.planner.__main__ import model_of, parse_args
+from snippets.planner.__main__ import model_of, parse_args, plan_of
 from snippets.planner.to_js import SOURCE, Unsupported, translate
 from tests.test_planner_published import gpt3
 
@@ -60,6 +60,34 @@ def test_zero_paper_figure_1_model_state_per_device():
     assert cm.sharded_state_bytes(1, "bf16", 0, 1)["total"] == 16  # 16 bytes per parameter
 
 
+def test_fp32_main_grads_count_18_bytes_per_parameter_and_reduce_in_fp32():
+    # Megatron-LM keeps fp32 main gradients (--accumulate-allreduce-grads-in-fp32): bf16 weights
+    # 2 + fp32 gradients 4 + fp32 master weights 4 + Adam's m and v 8 = 18 bytes per parameter,
+    # against the ZeRO paper's 2 + 2 + 12 = 16.
+    model = cm.MODELS["llama-7b"]
+    n = cm.parameter_count(model)
+    bf16, main = plan(dp=8, precision="bf16"), plan(dp=8, precision="bf16", fp32_main_grads=True)
+    assert cm.bytes_per_parameter(bf16) == {"weights": 2, "gradients": 2, "optimizer": 12}
+    assert cm.bytes_per_parameter(main) == {"weights": 2, "gradients": 4, "optimizer": 12}
+    for stage, (grads, optimizer) in {0: (4 * n, 12 * n), 1: (4 * n, 12 * n / 8),
+                                      2: (4 * n / 8, 12 * n / 8)}.items():
+        state = cm.model_state_bytes(model, {**main, "zero_stage": stage}, 0)
+        assert (state["weights"], state["gradients"], state["optimizer"]) == (2 * n, grads,
+                                                                           optimizer), stage
+    assert cm.model_state_bytes(model, main, 0)["total"] == 18 * n  # ZeRO-0
+    assert cm.model_state_bytes(model, bf16, 0)["total"] == 16 * n
+    # The data-parallel gradient exchange moves the fp32 gradients: twice the bytes, and the
+    # all-reduce's bandwidth term doubles (the latency term does not).
+    assert cm.messages_per_rank(model, main)["dp"] == 4 * n == 2 * cm.messages_per_rank(
+        model, bf16)["dp"]
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    times = [cm.plan_training(model, p, cluster)["time_s"]["data_parallel"] for p in (bf16, main)]
+    latency = 2 * 7 * 3e-6  # 2(N - 1) messages of 3 us on NVLink
+    assert times[1] - latency == pytest.approx(2 * (times[0] - latency), rel=1e-12)
+    assert cm.model_state_bytes(model, {**main, "precision": "fp32"}, 0)["total"] == 16 * n
+    assert plan_of(parse_args(["--fp32-main-grads"]))["fp32_main_grads"] is True
+
+
 # --8<-- [start:activation-test]
 @pytest.mark.parametrize("recompute", [False, True])
 def test_activation_model_matches_saved_tensors_of_the_real_model(recompute):
@@ -103,6 +131,39 @@ def test_zero_stages_shrink_memory_and_zero3_costs_one_and_a_half_times_the_traf
                             cluster)
     assert four["time_s"]["data_parallel"] == pytest.approx(6 * dp_time[0])
     assert not runs[0]["fits"] and runs[3]["fits"]  # 7B with plain DP: 108 GB of state alone
+
+
+def test_fits_leaves_the_reserve_free():
+    # A GPU loses RESERVED_GB to the CUDA context, NCCL's buffers and fragmentation before the
+    # model's tensors: a plan fits when its tensors and the reserve fit together.
+    assert cm.RESERVED_GB == 3
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    p = plan(dp=8, zero_stage=3, precision="bf16", seq_len=2048)
+    total = cm.plan_training(cm.MODELS["llama-7b"], p, cluster)["memory_bytes"]["total"]
+    for room, fits in ((3e9, True), (3e9 - 1, False), (2e9, False)):
+        gpu = {**cluster, "gpu_memory_gb": (total + room) / 1e9}
+        r = cm.plan_training(cm.MODELS["llama-7b"], p, gpu)
+        assert r["reserved_bytes"] == 3e9 and r["fits"] is fits, room
+        assert r["memory_fraction"] == pytest.approx((total + 3e9) / (total + room), rel=1e-12)
+    out = subprocess.run([sys.executable, "-m", "snippets.planner", "--model", "llama-7b",
+                          "--zero-stage", "3"], capture_output=True, text=True, check=True).stdout
+    assert "  fits in 80 GB with 3 GB reserved (36%)\n" in out  # (25.75 + 3) / 80
+
+
+def test_full_recomputation_runs_the_tensor_parallel_forward_all_reduces_again():
+    # Llama 70B, tp 8, one micro-batch of 4096 tokens, bf16: each all-reduce moves 4096 x 8192
+    # x 2 bytes over NVLink, 2(8 - 1) messages of an eighth of it. Per layer 2 forward and 2
+    # backward, and under full recomputation the forward's 2 once more: 6 x 80 = 480. Selective
+    # recomputation reruns attention's core inside the TP region: no messages, 4 x 80 = 320.
+    cluster = cm.CLUSTERS["H100 SXM, 8 per node, InfiniBand 400 Gb/s"]
+    all_reduce = 2 * 7 * (3e-6 + 4096 * 8192 * 2 / 8 / 450e9)
+    for recompute, count in (("none", 320), ("selective", 320), ("full", 480)):
+        p = plan(tp=8, precision="bf16", seq_len=4096, recompute=recompute)
+        assert cm.messages_per_rank(cm.MODELS["llama-70b"], p)["tp_count"] == count, recompute
+        r = cm.plan_training(cm.MODELS["llama-70b"], p, cluster)
+        assert r["time_s"]["tensor_parallel"] == pytest.approx(count * all_reduce, rel=1e-12)
+        sp = cm.plan_training(cm.MODELS["llama-70b"], {**p, "sp": True}, cluster)
+        assert sp["time_s"]["tensor_parallel"] == pytest.approx(count * all_reduce, rel=1e-12)
 
 
 def test_ring_collective_times_follow_the_alpha_beta_model():
@@ -165,7 +226,8 @@ def test_planner_matches_the_course_benchmarks_in_bench_json():
 @pytest.mark.skipif(shutil.which("node") is None, reason="needs node to run generated JavaScript")
 def test_generated_javascript_gives_the_python_numbers_for_the_new_options():
     """The calculator's translated model on sequence, context and interleaved pipeline
-    parallelism, selective recomputation, the GPT-3 block and expert parallelism (tests/test_browser.py checks the
+    parallelism, selective recomputation, the GPT-3 block, expert parallelism and fp32 main
+    gradients (tests/test_browser.py checks the
     page itself in Chromium). Equal to rounding: the same arithmetic in the same order."""
     gpt3 = {"architecture": "gpt3", "vocab_size": 51200, "hidden_size": 12288,
             "intermediate_size": 49152, "num_hidden_layers": 96, "num_attention_heads": 96,
@@ -185,7 +247,8 @@ def test_generated_javascript_gives_the_python_numbers_for_the_new_options():
          plan(dp=128, pp=16, ep=64, zero_stage=1, precision="fp8", recompute="full",
               seq_len=4096, micro_batches=120, ep_overlap=True)),
         (cm.MODELS["deepseek-v3"], plan(dp=16, ep=8, zero_stage=3, precision="bf16",
-                                        recompute="selective", micro_batches=4)),
+                                        recompute="selective", micro_batches=4,
+                                        fp32_main_grads=True)),
     ]
     cluster = "H100 SXM, 8 per node, InfiniBand 400 Gb/s"
     runner = ("globalThis.window = {};\n" + translate(SOURCE.read_text()) +

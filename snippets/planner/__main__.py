@@ -54,6 +54,9 @@ def parse_args(argv=None):
                             f"Llama 3's, one layer fewer on the first and last)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=1)
     p.add_argument("--precision", choices=("fp32", "bf16", "fp8"), default="bf16")
+    p.add_argument("--fp32-main-grads", action="store_true",
+                   help="gradients kept and reduced in fp32 (Megatron-LM's main grads): 4 bytes "
+                        "per parameter instead of the precision's")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--recompute", nargs="?", const="full", default="none",
                    choices=("none", "selective", "full"), help="bare --recompute means full")
@@ -89,7 +92,8 @@ def plan_of(args) -> dict:
     return {key: getattr(args, key) for key in (
         "dp", "tp", "pp", "cp", "ep", "ep_overlap", "virtual_stages", "zero_stage", "precision",
         "sp", "recompute", "cp_overlap", "micro_batch_size", "micro_batches", "seq_len",
-        "schedule", "mfu", "flops", "first_stage_layers", "last_stage_layers")}
+        "schedule", "mfu", "flops", "first_stage_layers", "last_stage_layers",
+        "fp32_main_grads")}
 
 
 def flags_named_in(message: str) -> list[str]:
@@ -123,7 +127,8 @@ def print_memory(r: dict, capacity_gb: float) -> None:
     where = ""
     if len(columns) > 1:
         where = f", busiest stage {r['busiest_stage']}"
-    print(f"  {verdict} in {capacity_gb} GB ({100 * r['memory_fraction']:.0f}%{where})")
+    print(f"  {verdict} in {capacity_gb} GB with {r['reserved_bytes'] / 1e9:g} GB reserved "
+          f"({100 * r['memory_fraction']:.0f}%{where})")
 
 
 def main(argv=None) -> None:
@@ -134,7 +139,7 @@ def main(argv=None) -> None:
         flags = flags_named_in(str(err))
         sys.exit(f"error: {err}" + (f" (flags: {', '.join(flags)})" if flags else ""))
     extras = [f"cp={args.cp}" if args.cp > 1 else "", f"ep={args.ep}" if args.ep > 1 else "",
-              "sp" if args.sp else "",
+              "sp" if args.sp else "", "fp32 main grads" if args.fp32_main_grads else "",
               f"v={args.virtual_stages}" if args.virtual_stages > 1 else "",
               f"recompute={args.recompute}" if args.recompute != "none" else ""]
     changes = [f"{flag}={getattr(args, flag.replace('-', '_'))}" for flag in SHAPE_FLAGS

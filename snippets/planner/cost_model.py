@@ -81,6 +81,11 @@ CLUSTERS = {
         "intra_node_gbps": 1.0, "intra_node_latency_us": 300,
         "inter_node_gbps": 1.0, "inter_node_latency_us": 300},
 }
+
+# What a GPU loses before the model's tensors: the CUDA context, NCCL's buffers (per
+# communicator, and a 3-D layout has several) and the caching allocator's fragmentation. An
+# assumed round figure, not a measurement; the calculator page says how it is made up.
+RESERVED_GB = 3
 # --8<-- [end:presets]
 
 
@@ -96,6 +101,18 @@ PRECISIONS = {
     # activations stay bf16 here (the conservative choice: recipes differ in what they store)
     "fp8": {"weights": 3, "gradients": 2, "optimizer": 12, "activations": 2},
 }
+
+
+def bytes_per_parameter(plan):
+    """The plan's precision's bytes per parameter. With fp32_main_grads the gradients are kept,
+    accumulated and reduced in fp32, 4 bytes, as Megatron-LM's main grads are
+    (--accumulate-allreduce-grads-in-fp32): 2 + 4 + 12 = 18 bytes in bf16 instead of 16."""
+    bytes_per = PRECISIONS[plan["precision"]]
+    gradients = bytes_per["gradients"]
+    if option(plan, "fp32_main_grads", False):
+        gradients = 4
+    return {"weights": bytes_per["weights"], "gradients": gradients,
+            "optimizer": bytes_per["optimizer"]}
 # --8<-- [end:precision]
 
 
@@ -274,7 +291,11 @@ def stage_dense_parameters(model, plan, stage):
 def sharded_state_bytes(params, precision, zero_stage, dp):
     """Weights, gradients and optimizer state of `params` parameters on one of dp ranks: ZeRO
     shards the optimizer state (stage >= 1), the gradients (stage >= 2) and the weights (3)."""
-    bytes_per = PRECISIONS[precision]
+    return shard_state(params, PRECISIONS[precision], zero_stage, dp)
+
+
+def shard_state(params, bytes_per, zero_stage, dp):
+    """sharded_state_bytes with bytes_per (a PRECISIONS row, or bytes_per_parameter's)."""
     weights = params * bytes_per["weights"] / (dp if zero_stage >= 3 else 1)
     gradients = params * bytes_per["gradients"] / (dp if zero_stage >= 2 else 1)
     optimizer = params * bytes_per["optimizer"] / (dp if zero_stage >= 1 else 1)
@@ -294,9 +315,9 @@ def model_state_bytes(model, plan, stage):
     # Context-parallel ranks hold the same weights, so ZeRO shards over dp x cp ranks; an
     # expert is held by the dp x cp / ep ranks of its expert-data-parallel group.
     shards = plan["dp"] * option(plan, "cp", 1)
-    state = sharded_state_bytes(dense, plan["precision"], plan["zero_stage"], shards)
-    expert_state = sharded_state_bytes(experts, plan["precision"], plan["zero_stage"],
-                                       shards / ep)
+    bytes_per = bytes_per_parameter(plan)
+    state = shard_state(dense, bytes_per, plan["zero_stage"], shards)
+    expert_state = shard_state(experts, bytes_per, plan["zero_stage"], shards / ep)
     # ZeRO-3 gathers one block's full weights to compute with it (and prefetches the next).
     gathered = 0
     if plan["zero_stage"] >= 3 and shards > 1:
@@ -318,8 +339,9 @@ def model_state_bytes(model, plan, stage):
 # --8<-- [start:activations]
 def recompute_mode(plan):
     """"none", "selective" (recompute only attention's softmax and dropout, keep the rest) or
-    "full" (keep only each block's input); True and False mean "full" and "none"."""
-    mode = plan["recompute"]
+    "full" (keep only each block's input); True and False mean "full" and "none", and a plan
+    without the key (stage_messages' callers) none."""
+    mode = option(plan, "recompute", False)
     if mode == True:  # noqa: E712 (a string is neither True nor False)
         return "full"
     if mode == False:  # noqa: E712
@@ -662,22 +684,27 @@ def stage_messages(model, plan, stage):
     send them more often), the gradients dp_dense and dp_experts; the parameters the rank
     holds; and each group's payload per step: tp, pp and dp.
     TP: 2 all-reduces of the rank's b x s/cp x h activations per block forward and 2 backward
-    (with SP, a reduce-scatter plus an all-gather each: the same bytes). PP: a micro-batch
-    crosses each of the rank's v chunk boundaries twice (activation forward, gradient
-    backward), each TP rank moving its 1/tp share (Megatron-LM scatters the activation over the
-    TP group and gathers it again on the other side). tests/test_three_d.py checks them
-    against the bytes the from-scratch 3-D run counts."""
+    (with SP, a reduce-scatter plus an all-gather each: the same bytes), and with full
+    recomputation the forward's 2 again in backward, when the block's forward reruns; selective
+    recomputation reruns only attention's core, inside the TP region, which sends nothing.
+    PP: a micro-batch crosses each of the rank's v chunk boundaries twice (activation forward,
+    gradient backward), each TP rank moving its 1/tp share (Megatron-LM scatters the
+    activation over the TP group and gathers it again on the other side). tests/test_three_d.py
+    checks them against the bytes the from-scratch 3-D run counts."""
     element = PRECISIONS[plan["precision"]]["activations"]
     activation = (plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
                   * model["hidden_size"] * element)
     pp_message = activation / plan["tp"]
     tp_count, pp_count = 0, 0
     if plan["tp"] > 1:
-        tp_count = 4 * layers_on_stage(model, plan, stage)
+        per_layer = 4
+        if recompute_mode(plan) == "full":
+            per_layer = 6
+        tp_count = per_layer * layers_on_stage(model, plan, stage)
     if plan["pp"] > 1:
         pp_count = 2 * option(plan, "virtual_stages", 1)
     state = model_state_bytes(model, plan, stage)
-    gradient = PRECISIONS[plan["precision"]]["gradients"]
+    gradient = bytes_per_parameter(plan)["gradients"]
     dense = state["dense_parameters"] * gradient
     experts = state["expert_parameters"] * gradient
     m = plan["micro_batches"]
@@ -719,8 +746,9 @@ def stage_time(model, plan, cluster, stage):
     compute_per_micro_batch = flops / (plan["tp"] * cp) / (peak * plan["mfu"])
 
     # Tensor parallelism: 2 all-reduces of a rank's b x s/cp x h activations per block in
-    # forward and 2 in backward, inside a node, on the critical path. Sequence parallelism
-    # turns each all-reduce into a reduce-scatter plus an all-gather: the same bytes and time.
+    # forward and 2 in backward (2 more under full recomputation: the forward's, run again),
+    # inside a node, on the critical path. Sequence parallelism turns each all-reduce into a
+    # reduce-scatter plus an all-gather: the same bytes and time.
     element = PRECISIONS[plan["precision"]]["activations"]
     messages = stage_messages(model, plan, stage)
     intra = link(cluster, False)
@@ -816,18 +844,21 @@ def plan_training(model, plan, cluster):
     chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention),
     ep (1: expert-parallel size, carved out of dp x cp), ep_overlap (False: the all-to-alls
     hidden behind another micro-batch's compute, as DeepSeek's DualPipe schedules them),
-    first_stage_layers and last_stage_layers (0: the default split, see stage_layers).
+    first_stage_layers and last_stage_layers (0: the default split, see stage_layers),
+    fp32_main_grads (False; True keeps the gradients in fp32, see bytes_per_parameter).
     Rank order, innermost first: tp, cp, ep (inside dp), pp, dp; dp x tp x pp x cp GPUs in all.
 
     Memory is reported per stage (first, the busiest middle one, last; with pp = 1 all three
     are the one stage), and memory_bytes is the busiest stage's: the one that decides whether
-    the layout fits. Time is the slowest stage's: every stage waits for it once per micro-batch.
+    the layout fits, with RESERVED_GB on top (memory_fraction counts it too). Time is the
+    slowest stage's: every stage waits for it once per micro-batch.
     """
     validate(model, plan, cluster)
     cp, v = option(plan, "cp", 1), option(plan, "virtual_stages", 1)
     m, p = plan["micro_batches"], plan["pp"]
     gpus = plan["dp"] * plan["tp"] * p * cp
     capacity = cluster["gpu_memory_gb"] * 1e9
+    reserved = RESERVED_GB * 1e9
     per_stage = {"first": stage_memory(model, plan, 0),
                  "middle": stage_memory(model, plan, min(1, p - 1)),
                  "last": stage_memory(model, plan, p - 1)}
@@ -864,8 +895,10 @@ def plan_training(model, plan, cluster):
                          "activations": busiest["activations"], "total": busiest["total"]},
         "memory_per_stage": per_stage,
         "busiest_stage": busiest["stage"],
-        "fits": busiest["total"] <= capacity,
-        "memory_fraction": busiest["total"] / capacity,
+        # It fits when the tensors and the reserve together fit in the GPU's memory.
+        "reserved_bytes": reserved,
+        "fits": busiest["total"] + reserved <= capacity,
+        "memory_fraction": (busiest["total"] + reserved) / capacity,
         "flops_per_token": model_flops_per_token(model, plan),
         "time_s": {"compute": m * slowest["compute"],
                    "tensor_parallel": m * slowest["tensor_parallel"],

@@ -20,6 +20,7 @@
     ["ep_overlap", "Overlap the expert all-to-alls with compute", "bool", false],
     ["zero_stage", "ZeRO stage", "select", "1", ["0", "1", "2", "3"]],
     ["precision", "Precision", "select", "bf16", ["fp32", "bf16", "fp8"]],
+    ["fp32_main_grads", "Gradients in fp32 (Megatron-LM's main grads)", "bool", false],
     ["recompute", "Recompute activations", "select", "none", ["none", "selective", "full"]],
     ["micro_batch_size", "Micro-batch size (sequences)", "int", 1],
     ["micro_batches", "Micro-batches per step (per dp rank)", "int", 8],
@@ -98,12 +99,16 @@
     return parts;
   }
 
-  function memoryBar(memory, capacity) {
+  // The bar against the GPU's capacity, whose last `reserved` bytes (the cost model's
+  // RESERVED_GB: CUDA context, NCCL buffers, fragmentation) are shaded: the tensors fit when
+  // they end before the shading.
+  function memoryBar(memory, capacity, reserved) {
     const id = "planner-mem-" + (++chartId);
     const parts = memoryParts(memory);
     const W = 600, H = 56, bar = 30, top = 8;
     const scale = W / Math.max(memory.total, capacity) * 0.97;
-    const over = memory.total > capacity;
+    const usable = capacity - reserved;
+    const over = memory.total + reserved > capacity;  // as the cost model decides "fits"
     let x = 0, rects = "";
     for (const [key, label] of MEMORY_PARTS) {
       const w = parts[key] * scale;
@@ -112,22 +117,25 @@
         `<title>${label}: ${gb(parts[key])}</title></rect>`;
       x += Math.max(0, w);
     }
-    const cx = capacity * scale;
-    if (over) {  // the part beyond the GPU's memory, hatched and outlined
-      rects += `<rect class="planner-mem-over" data-over-capacity="true" x="${cx.toFixed(2)}"` +
-        ` y="${top - 4}" width="${(x - cx).toFixed(2)}" height="${bar + 8}"` +
-        ` fill="url(#${id}-over)"><title>Over capacity by ${gb(memory.total - capacity)}</title></rect>`;
+    const cx = capacity * scale, ux = usable * scale;
+    rects += `<rect class="planner-mem-reserved" data-reserved-bytes="${reserved}" x="${ux.toFixed(2)}"` +
+      ` y="${top}" width="${(cx - ux).toFixed(2)}" height="${bar}" fill="currentColor"` +
+      ` fill-opacity="0.15"><title>Reserved: ${gb(reserved)}</title></rect>`;
+    if (over) {  // the part beyond the usable memory, hatched and outlined
+      rects += `<rect class="planner-mem-over" data-over-capacity="true" x="${ux.toFixed(2)}"` +
+        ` y="${top - 4}" width="${(x - ux).toFixed(2)}" height="${bar + 8}"` +
+        ` fill="url(#${id}-over)"><title>Over capacity by ${gb(memory.total - usable)}</title></rect>`;
     }
     rects += `<line class="planner-mem-capacity" x1="${cx.toFixed(2)}" x2="${cx.toFixed(2)}"` +
       ` y1="0" y2="${H}" vector-effect="non-scaling-stroke" data-bytes="${capacity}"/>`;
-    const summary = `${gb(memory.total)} per GPU of ${gb(capacity)}` +
-      (over ? `: over capacity by ${gb(memory.total - capacity)}` : `: fits`);
+    const summary = `${gb(memory.total)} per GPU of ${gb(capacity)}, ${gb(reserved)} of it reserved` +
+      (over ? `: over capacity by ${gb(memory.total - usable)}` : `: fits`);
     const desc = MEMORY_PARTS.map(([k, l]) => `${l} ${gb(parts[k])}`).join(", ");
     const legend = MEMORY_PARTS.map(([k, l]) =>
       `<li><span class="planner-swatch planner-mem-${k}" aria-hidden="true"></span>${l} ` +
       `<span data-legend="${k}">${gb(parts[k])}</span></li>`).join("") +
       `<li><span class="planner-swatch planner-swatch-capacity" aria-hidden="true"></span>` +
-      `GPU memory ${gb(capacity)}</li>`;
+      `GPU memory ${gb(capacity)}, the last ${gb(reserved)} shaded: reserved</li>`;
     return `<figure class="planner-chart planner-memory${over ? " planner-over" : ""}">` +
       `<figcaption>Memory per GPU (busiest rank): <strong>${summary}</strong></figcaption>` +
       `<svg ${SVG_NS} role="img" aria-labelledby="${id}-t ${id}-d" viewBox="0 0 ${W} ${H}"` +
@@ -312,8 +320,8 @@
       ["Memory per stage: first / middle / last", ["first", "middle", "last"].map(
         (k) => `${gb(r.memory_per_stage[k].total)} (stage ${r.memory_per_stage[k].stage}, ` +
                `${r.memory_per_stage[k].layers} layers)`).join(" / "), "memory_per_stage"],
-      ["Fits in memory", r.fits ? `yes (${(100 * r.memory_fraction).toFixed(0)}%)`
-                                : `no (${(100 * r.memory_fraction).toFixed(0)}%)`, "fits"],
+      ["Fits in memory", `${r.fits ? "yes" : "no"} (${(100 * r.memory_fraction).toFixed(0)}% with ` +
+                         `${gb(r.reserved_bytes)} reserved)`, "fits"],
       ["Compute per step", seconds(t.compute), "compute"],
       ["Tensor-parallel all-reduces", seconds(t.tensor_parallel), "tensor_parallel"],
       ["Context-parallel K/V exchange (exposed)", seconds(t.context_parallel), "context_parallel"],
@@ -326,7 +334,7 @@
       ["Tokens per second", Math.round(r.tokens_per_s).toLocaleString("en-US"), "tokens_per_s"],
       ["Model FLOPs utilisation (MFU)", (100 * r.model_flops_utilization).toFixed(1) + "%", "model_flops_utilization"],
     ];
-    out.innerHTML = memoryBar(m, cluster.gpu_memory_gb * 1e9) + scheduleChart(plan, r, out.clientWidth || 700) +
+    out.innerHTML = memoryBar(m, cluster.gpu_memory_gb * 1e9, r.reserved_bytes) + scheduleChart(plan, r, out.clientWidth || 700) +
       "<table><tbody>" + rows.map(
       ([label, value, key]) => `<tr><th>${label}</th><td data-out="${key}">${value}</td></tr>`
     ).join("") + "</tbody></table>";
