@@ -39,8 +39,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from snippets.dist import spawn
-from snippets.scratch.pipeline import (measured_bubble, single_process, theoretical_bubble,
-                                       train_pipeline)
+from snippets.scratch.pipeline import single_process, train_pipeline
+from snippets.scratch.pipeline_trace import measured_bubble, theoretical_bubble
 
 STAGES, MICRO_BATCHES, STEPS, BATCH, SEQ = 2, 4, 3, 8, 64
 ranks = spawn(train_pipeline, STAGES, ["gpipe", "1f1b"], MICRO_BATCHES, STEPS, BATCH, SEQ,

@@ -57,7 +57,8 @@ def test_figure_has_a_text_alternative_and_is_used(generator):
 def test_pipeline_figure_times_agree_with_the_bubble_formula():
     from snippets.figures.pipeline_schedules import (DURATION, MICRO_BATCHES, STAGES,
                                                      peak_in_flight, simulate)
-    from snippets.scratch.pipeline import SCHEDULES, theoretical_bubble
+    from snippets.scratch.pipeline import SCHEDULES
+    from snippets.scratch.pipeline_trace import theoretical_bubble
 
     unit = DURATION["F"] + DURATION["B"]
     for name in ("gpipe", "1f1b"):

@@ -33,8 +33,8 @@ from torch import nn
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.scratch.pipeline import (SCHEDULES, measured_bubble, pipeline_train_step,
-                                       run_schedule, split_into_stages, theoretical_bubble)
+from snippets.scratch.pipeline import SCHEDULES, pipeline_train_step, run_schedule, split_into_stages
+from snippets.scratch.pipeline_trace import measured_bubble, theoretical_bubble
 
 STAGES, MICRO_BATCHES = (2, 4), (2, 4, 8)
 HIDDEN, TOKENS = 64, 16

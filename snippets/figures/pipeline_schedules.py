@@ -11,7 +11,8 @@ Idle time, the bubble, is hatched.
 from __future__ import annotations
 
 from snippets.figures import svg
-from snippets.scratch.pipeline import SCHEDULES, theoretical_bubble
+from snippets.scratch.pipeline import SCHEDULES
+from snippets.scratch.pipeline_trace import theoretical_bubble
 
 NAME = "pipeline-schedules"
 STAGES, MICRO_BATCHES = 4, 8

@@ -11,8 +11,8 @@ backwards (B):
 - 1F1B: a few warm-up forwards, then one forward, one backward, in turn; then the remaining
   backwards. The same bubble, but a stage never holds more than p micro-batches' activations.
 
-Each rank records when every forward and backward started and ended, so a timeline can be drawn
-and the bubble (the idle share of the step) measured. The loss of each micro-batch is divided by
+Each rank records when every forward and backward started and ended (pipeline_trace.py), so a
+timeline can be drawn and the bubble (the idle share of the step) measured. The loss of each micro-batch is divided by
 m, so the gradients summed over the micro-batches equal one big batch's.
 
 Only torch.distributed primitives (isend, recv); tests/test_pipeline.py checks both schedules
@@ -21,16 +21,13 @@ against one process; bench/pipeline_bubble.py and bench/pipeline_memory.py measu
 
 from __future__ import annotations
 
-import time
-from contextlib import contextmanager
-from dataclasses import dataclass, field
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
+from snippets.scratch.pipeline_trace import StageTrace
 
 
 # --8<-- [start:split]
@@ -114,27 +111,6 @@ def one_f_one_b_schedule(num_micro_batches: int, stage_index: int, num_stages: i
 
 SCHEDULES = {"gpipe": gpipe_schedule, "1f1b": one_f_one_b_schedule}
 # --8<-- [end:schedules]
-
-
-# --8<-- [start:trace]
-@dataclass
-class StageTrace:
-    """What one stage did in one step. Times are time.perf_counter() seconds, a monotonic clock
-    that all processes on one machine share, so the stages' events line up on one timeline."""
-
-    stage_index: int
-    events: list = field(default_factory=list)  # (kind "F"/"B", micro-batch, start, end)
-    peak_live: int = 0  # most micro-batches whose activations were held at once
-
-    @contextmanager
-    def op(self, kind: str, micro_batch: int):
-        start = time.perf_counter()
-        yield
-        self.events.append((kind, micro_batch, start, time.perf_counter()))
-
-    def busy_s(self) -> float:
-        return sum(end - start for _, _, start, end in self.events)
-# --8<-- [end:trace]
 
 
 # --8<-- [start:run-schedule]
@@ -243,21 +219,6 @@ def pipeline_train_step(stage: GPTStage, schedule, tokens: torch.Tensor, num_mic
     sync_tied_embedding_grads(stage, stage_index, num_stages, group)
     return loss, trace
 # --8<-- [end:train-step]
-
-
-# --8<-- [start:bubble]
-def theoretical_bubble(num_stages: int, num_micro_batches: int) -> float:
-    """Idle share of a step when every F (and every B) takes the same time on every stage."""
-    return (num_stages - 1) / (num_micro_batches + num_stages - 1)
-
-
-def measured_bubble(traces: list[StageTrace]) -> list[float]:
-    """Per stage, idle time / total time, where the total is the step's span: from the first
-    op to start on any stage to the last op to end."""
-    start = min(e[2] for t in traces for e in t.events)
-    end = max(e[3] for t in traces for e in t.events)
-    return [1 - t.busy_s() / (end - start) for t in traces]
-# --8<-- [end:bubble]
 
 
 # --8<-- [start:training]

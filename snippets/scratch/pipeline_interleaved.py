@@ -16,9 +16,9 @@ import torch.distributed as dist
 from torch import nn
 
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
-from snippets.scratch.pipeline import (StageTrace, cross_entropy, one_f_one_b_schedule,
-                                       run_schedule, single_process, split_into_stages,
-                                       sync_tied_embedding_grads)
+from snippets.scratch.pipeline import (cross_entropy, one_f_one_b_schedule, run_schedule,
+                                       single_process, split_into_stages, sync_tied_embedding_grads)
+from snippets.scratch.pipeline_trace import StageTrace
 
 
 # --8<-- [start:chunks]
