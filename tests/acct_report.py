@@ -21,7 +21,7 @@ import collections
 import datetime
 from pathlib import Path
 
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 TICKS = 100  # dump-acct prints times in AHZ ticks, 100 per second on Linux
 

@@ -10,7 +10,7 @@ torch._dynamo) x --dynamo-s: measure both on the machine, e.g. with `python -X i
 
 import collections
 
-from snippets.training.flags import Parser, float_at_least, int_at_least
+from snippets.flags import Parser, float_at_least, int_at_least
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import time
 
 from snippets.bench import BENCHMARKS
 from snippets.machine import machine_info
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 
 def main(argv=None):

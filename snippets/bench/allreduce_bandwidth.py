@@ -80,7 +80,7 @@ def format_table(result: dict) -> str:
 
 
 def main(argv=None) -> None:
-    from snippets.training.flags import Parser, int_at_least
+    from snippets.flags import Parser, int_at_least
 
     parser = Parser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int_at_least(1), default=11,

@@ -15,7 +15,7 @@ from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.moe import (MoE, apply_expert_parallel, moe_aux_loss, moe_layers,
                                   swap_mlps_for_moe)
-from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
+from snippets.flags import Parser, float_at_least, int_at_least, positive_float
 from snippets.machine import set_threads
 
 

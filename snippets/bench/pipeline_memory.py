@@ -27,7 +27,7 @@ from torch.utils._pytree import tree_leaves
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, get_config
 from snippets.scratch.pipeline import SCHEDULES, pipeline_train_step, split_into_stages
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 STAGES, MICRO_BATCHES, MICRO_BATCH_SIZE, SEQ_LEN = 2, (2, 4, 8, 16), 2, 16
 

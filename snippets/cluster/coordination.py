@@ -28,7 +28,7 @@ from datetime import datetime, timedelta
 import torch.distributed as dist
 
 from snippets.dist import leave_process_group, read_launch_env
-from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
+from snippets.flags import Parser, float_at_least, int_at_least, positive_float
 
 
 def stamp() -> str:

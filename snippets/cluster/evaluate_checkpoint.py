@@ -26,7 +26,7 @@ from snippets.data.dataset import load_tokens, train_val_split
 from snippets.models.gpt import GPT, GPTConfig, get_config
 from snippets.training.checkpoint import CheckpointError, load_checkpoint
 from snippets.training.train_tiny_transformer import evaluate
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 from snippets.machine import set_threads
 
 

@@ -221,7 +221,7 @@ def launch(command: list[str], nnodes: int, nproc_per_node: int, node_rank: int 
 
 
 def parse_args(argv=None):
-    from snippets.training.flags import Parser, checked, int_at_least
+    from snippets.flags import Parser, checked, int_at_least
 
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--nnodes", type=int_at_least(1), default=2, help="how many simulated machines")

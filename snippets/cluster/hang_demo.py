@@ -61,7 +61,7 @@ def run_rank(rank: int, world_size: int, bug: str, wait_s: float) -> str:
 
 
 def main(argv=None) -> None:
-    from snippets.training.flags import Parser, positive_float
+    from snippets.flags import Parser, positive_float
 
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--bug", choices=BUGS, default="mismatch")

@@ -91,7 +91,7 @@ def last_line_per_rank(entries: list[Entry]) -> dict[int, Entry]:
 
 
 def main(argv=None) -> None:
-    from snippets.training.flags import Parser
+    from snippets.flags import Parser
 
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("log_dir", help="the directory holding rank_0/, rank_1/, ...")

@@ -34,7 +34,7 @@ from snippets.dist import (LaunchError, StopSignal, collective_device, init_from
                            leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import RunExistsError, save_checkpoint
-from snippets.training.flags import Parser, int_at_least, positive_float
+from snippets.flags import Parser, int_at_least, positive_float
 
 VAL_FRACTION = 0.1  # the same split evaluate_checkpoint.py holds out
 

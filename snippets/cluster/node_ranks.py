@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 
 class RankError(ValueError):

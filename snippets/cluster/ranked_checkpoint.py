@@ -33,7 +33,7 @@ import torch
 
 from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, RunExistsError,
                                           _sidecar, load_checkpoint, save_checkpoint)
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 FILE_PATTERN = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
 

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     from snippets.data.corpus import load_text
     from snippets.data.real_text import join_documents, prepare_documents, read_documents
     from snippets.data.tokenizer import ByteTokenizer
-    from snippets.training.flags import Parser, checked
+    from snippets.flags import Parser, checked
 
     p = Parser(description="Train a byte-level BPE tokenizer and compare it with bytes.")
     p.add_argument("--vocab-size", type=checked(int, lambda v: 257 <= v <= 65_536,

@@ -109,7 +109,7 @@ def join_documents(documents: list[str]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from snippets.training.flags import Parser, int_at_least
+    from snippets.flags import Parser, int_at_least
 
     p = Parser(description="Read, clean and de-duplicate an OpenWebText-style corpus.")
     p.add_argument("source", nargs="?", default="pydoc",

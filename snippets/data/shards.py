@@ -185,7 +185,7 @@ def read_rank_tokens(manifest_path: str | Path, rank: int = 0, world_size: int =
 
 def main(argv: list[str] | None = None) -> int:
     from snippets.data.real_text import join_documents, prepare_documents, read_documents
-    from snippets.training.flags import Parser, int_at_least
+    from snippets.flags import Parser, int_at_least
 
     p = Parser(description="Prepare token shards once; read a rank's shards back, verified.")
     commands = p.add_subparsers(dest="command", required=True)

@@ -67,7 +67,7 @@ def timed_training(num_workers: int, steps: int, batch_size: int = 8,
 
 
 def main(argv=None) -> None:
-    from snippets.training.flags import Parser, float_at_least, int_at_least
+    from snippets.flags import Parser, float_at_least, int_at_least
 
     parser = Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--delay-ms", type=float_at_least(0), default=10.0)

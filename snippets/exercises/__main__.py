@@ -21,7 +21,7 @@ from pathlib import Path
 from snippets.exercises import catalog
 from snippets.exercises.hints import all_hints, next_hint
 from snippets.exercises.stubs import write_stubs
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 DEFAULT_WORKSPACE = "workspace"
 

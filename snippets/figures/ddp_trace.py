@@ -39,7 +39,7 @@ import snippets.scratch.ddp as scratch_ddp
 from snippets.dist import spawn
 from snippets.figures import svg
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 NAME = "ddp-trace"
 RECORD = svg.OUT_DIR / f"{NAME}.json"

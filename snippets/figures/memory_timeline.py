@@ -25,7 +25,7 @@ import torch
 from snippets.bench.pipeline_memory import LiveTensorMemory
 from snippets.figures import svg
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 from snippets.machine import set_threads
 
 NAME = "memory-timeline"

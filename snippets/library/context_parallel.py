@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 aten = torch.ops.aten
 

@@ -31,7 +31,7 @@ from snippets.dist import DEFAULT_TIMEOUT_S, init_mesh, spawn
 from snippets.library.tensor_parallel import apply_fsdp, apply_tp
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import fsync_dir
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 SYNC, ASYNC = "step-1.dcp", "step-1-async.dcp"
 CONSOLIDATED = {SYNC: "step-1.pt", ASYNC: "step-1-async.pt"}

@@ -20,7 +20,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.pipeline import (cross_entropy, split_into_stages,
                                        sync_tied_embedding_grads)
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 TORCH_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

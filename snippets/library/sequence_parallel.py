@@ -27,7 +27,7 @@ from torch.distributed.tensor.parallel import (
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 
 # --8<-- [start:plan]

@@ -32,7 +32,7 @@ from snippets.library.pipeline import torch_pipeline_train_step
 from snippets.library.tensor_parallel import block_plan, full_weights
 from snippets.scratch.pipeline import cross_entropy, single_process, split_into_stages
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 
 # --8<-- [start:parallelize]

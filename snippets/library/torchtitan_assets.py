@@ -25,7 +25,7 @@ from pathlib import Path
 
 from snippets.data.bpe import BPETokenizer, write_atomically
 from snippets.data.corpus import END_OF_TEXT, generate_corpus
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 VOCAB_SIZE = 2048          # torchtitan/models/llama3/__init__.py, _debugmodel: vocab_size=2048
 CORPUS_BYTES = 120_000     # about 40k tokens: 5 steps of 2 ranks x 4 sequences x 256 need 10k

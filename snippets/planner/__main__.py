@@ -18,7 +18,7 @@ import sys
 
 from snippets.planner.cost_model import (CLUSTERS, FLOP_CONVENTIONS, MODELS, PlannerError,
                                          plan_training)
-from snippets.training.flags import Parser, checked, int_at_least
+from snippets.flags import Parser, checked, int_at_least
 
 # The model-shape flags, and the model keys they set.
 SHAPE_FLAGS = {"layers": "num_hidden_layers", "hidden": "hidden_size",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from snippets.dist import init_from_env, leave_process_group
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 
 def starting_tensor(rank: int, world: int) -> torch.Tensor:

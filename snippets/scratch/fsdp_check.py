@@ -16,7 +16,7 @@ from snippets.data.dataset import random_token_batches
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, RMSNorm, get_config, shift_for_next_token
 from snippets.scratch.fsdp import FSDP, MixedPrecision
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 STEPS, GLOBAL_BATCH, SEQ = 4, 8, 32
 SHOWN = ["embed_tokens.weight", "norm.weight", "layers.0.input_layernorm.weight",

@@ -10,7 +10,7 @@ the GPU numbered by its local rank (cuda:LOCAL_RANK).
 """
 
 import argparse
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 import torch
 from accelerate import Accelerator

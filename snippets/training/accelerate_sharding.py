@@ -15,7 +15,7 @@ from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, DistributedSampler
 
 from snippets.scratch.sampler import ShardedSampler
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 
 # --8<-- [start:shards]

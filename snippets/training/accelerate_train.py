@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import load_tokens
 from snippets.training.checkpoint import RunExistsError
-from snippets.training.flags import Parser, int_at_least, positive_float
+from snippets.flags import Parser, int_at_least, positive_float
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.ddp_simulation_train import Windows
 

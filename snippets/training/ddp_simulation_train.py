@@ -32,7 +32,7 @@ from snippets.dist import collective_device, init_from_env, leave_process_group,
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import (CheckpointError, RunExistsError, config_diff,
                                           load_checkpoint, save_checkpoint, unwrap_model)
-from snippets.training.flags import Parser, int_at_least, positive_float
+from snippets.flags import Parser, int_at_least, positive_float
 
 
 class Windows(Dataset):

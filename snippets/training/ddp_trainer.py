@@ -51,7 +51,7 @@ from snippets.training.checkpoint import (
 )
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
-from snippets.training.flags import Parser, float_at_least, int_at_least, positive_float
+from snippets.flags import Parser, float_at_least, int_at_least, positive_float
 
 
 # --8<-- [start:train-config]

@@ -56,7 +56,7 @@ from snippets.training.checkpoint import save_checkpoint as save_atomic
 from snippets.training.ddp_trainer import (DistributedTrainer, TrainConfig, build_parser,
                                           check_args, pick_trainer_device, resume_or_start,
                                           save_step, train, train_config_from_args)
-from snippets.training.flags import int_at_least
+from snippets.flags import int_at_least
 
 # --8<-- [start:fsdp-config]
 SHARDING_STRATEGIES = {

@@ -28,7 +28,7 @@ from snippets.data.dataset import load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
 from snippets.models.gpt import GPT, GPTConfig, apply_rotary_pos_emb
 from snippets.training.checkpoint import CheckpointError, CheckpointManager, load_checkpoint
-from snippets.training.flags import Parser
+from snippets.flags import Parser
 
 
 # --8<-- [start:weight-norms]

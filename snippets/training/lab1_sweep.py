@@ -24,7 +24,7 @@ from pathlib import Path
 
 from snippets.models.gpt import GPT, ConfigError, get_config
 from snippets.training.checkpoint import CheckpointError, RunExistsError
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 from snippets.training.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
 
 LAB1_CONFIGS = DEFAULT_CONFIG.parent / "lab1"

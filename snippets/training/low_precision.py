@@ -28,7 +28,7 @@ from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scratch.precision import (E4M3, E5M2, Fp8Matmul, dequantize_fp8, fp8_scale,
                                         quantization_error, quantize_fp8, scaled_mm_linear,
                                         swap_linears_for_fp8)
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 BF16_VS_FP32 = {"fp32": (GPT, None), "bf16": (GPT, torch.bfloat16)}
 

@@ -29,7 +29,7 @@ from snippets.machine import cpu_bf16_features, cpu_model, set_threads
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes
 from snippets.scratch.precision import DynamicLossScaler
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 
 # --8<-- [start:timing]

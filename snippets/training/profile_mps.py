@@ -21,7 +21,7 @@ import torch
 
 from snippets.machine import DeviceError
 from snippets.models.gpt import ConfigError
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 from snippets.training.profile_step import build, train_step
 
 

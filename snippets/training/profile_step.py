@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile, record_function, schedule
 from snippets.data.dataset import RandomWindowSampler, load_tokens
 from snippets.machine import DeviceError, pick_device, set_threads
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
-from snippets.training.flags import Parser, float_at_least, int_at_least
+from snippets.flags import Parser, float_at_least, int_at_least
 
 PHASES = ("data", "forward", "backward", "optimizer")
 

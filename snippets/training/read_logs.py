@@ -76,7 +76,7 @@ def wandb_history(run_file: Path) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from snippets.training.flags import Parser
+    from snippets.flags import Parser
 
     p = Parser(description="Compare a run's metrics.jsonl, TensorBoard and W&B logs.")
     p.add_argument("run", help="the trainer's --out folder")

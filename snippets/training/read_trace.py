@@ -24,7 +24,7 @@ import sys
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 STEP = re.compile(r"ProfilerStep#\d+")  # the profiler wraps each step in one; the table sums them
 TRUNCATED = "..."  # the table cuts names longer than its name column and ends them with this

@@ -49,7 +49,7 @@ from snippets.training.checkpoint import (
     seed_everything,
     unwrap_model,
 )
-from snippets.training.flags import Parser, float_at_least, fraction, int_at_least, positive_float
+from snippets.flags import Parser, float_at_least, fraction, int_at_least, positive_float
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "models" / "config.json"
 

@@ -18,7 +18,7 @@ import torch
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import save_checkpoint
-from snippets.training.flags import Parser, int_at_least
+from snippets.flags import Parser, int_at_least
 
 
 # --8<-- [start:consolidate]

@@ -31,7 +31,7 @@ from snippets.data.dataset import load_tokens
 from snippets.dist import init_from_env, leave_process_group
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.checkpoint import RunExistsError
-from snippets.training.flags import Parser, int_at_least, positive_float
+from snippets.flags import Parser, int_at_least, positive_float
 
 CONFIG_DIR = Path(__file__).resolve().parent
 # On the CPU accelerator DeepSpeed compiles a small C++ op (shared-memory collectives) the first

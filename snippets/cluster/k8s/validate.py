@@ -198,7 +198,7 @@ def validate_file(path: str | Path) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from snippets.training.flags import Parser
+    from snippets.flags import Parser
 
     p = Parser(description="Validate Kubernetes manifests against the Job and PyTorchJob "
                            "schemas and the course's cross-checks.")
