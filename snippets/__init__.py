@@ -5,11 +5,13 @@ Where each kind of thing lives:
     models/      the tiny GPT (gpt.py), its fused path, nanoGPT's model as a yardstick
     data/        tokenizers (bytes, BPE), the corpus, token files and shards, batch samplers
     basics/      Session A's first steps: autograd graph, forward-backward-update, memory table
-    scratch/     each parallelism built from torch.distributed primitives only, one file each,
-                 at most 300 lines: collectives, sampler, ddp, zero and fsdp (on flat_shard),
-                 pipeline, pipeline_interleaved, tensor_parallel, sequence_parallel,
-                 context_parallel, moe, expert_data_parallel, three_d, precision; ddp_check,
-                 zero_check and fsdp_check run three of them against one process
+    scratch/     each parallelism built from torch.distributed primitives only, one concept a
+                 file: collectives, sampler, ddp, zero and fsdp (on flat_shard), pipeline,
+                 pipeline_interleaved, tensor_parallel, sequence_parallel, context_parallel,
+                 moe, expert_data_parallel, three_d, precision. The algorithm only: the runs
+                 against one process and the measurements sit beside it in X_check.py
+                 (reference.py: the one-process reference loop). Imports point down: scratch,
+                 models, data, dist and flags, never planner or bench
     library/     the library versions of the same ideas under the same names, applied to a
                  plain model (scratch/X <-> library/X): pipeline, tensor_parallel (and 2-D with
                  FSDP2), sequence_parallel, context_parallel, three_d; FSDP2 itself is in
@@ -21,7 +23,8 @@ Where each kind of thing lives:
                  (deepspeed/), Kubernetes (k8s/), ranked checkpoints, log merging
     planner/     the memory / FLOPs / communication cost model behind the calculator page
     bench/       `make bench`'s benchmarks (listed in bench/__init__.py), and the measurements
-                 and runs the lessons show (zero_accounting, moe_check, tensor_parallel_check)
+                 and runs the lessons show (zero_accounting, zero_check, moe_check,
+                 tensor_parallel_check, three_d_bytes)
     exercises/   the learning guide's exercises: catalogue, stubs, checks, runner
     debugging/   errors a learner meets, reproduced on purpose
     figures/     the scripts that draw the site's figures

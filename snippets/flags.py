@@ -8,6 +8,12 @@ command line is parsed, and a bad flag is one line naming the flag and what it a
     script.py: error: argument --steps: must be a whole number >= 1, got 0
 
 Under torchrun the same line also ends torchrun's failure summary, the last thing on screen.
+
+One flag vocabulary: a concept the trainers share (--max-steps, --batch-size, --seq-len, ...)
+is added with Parser.add_flag, which spells it with dashes and also accepts the underscore
+spelling (and any older name), so every command already printed keeps working:
+
+    p.add_flag("max-steps", "--steps", type=int_at_least(1), default=30)  # dest: max_steps
 """
 
 from __future__ import annotations
@@ -26,6 +32,22 @@ class Parser(argparse.ArgumentParser):
         line = f"{self.prog}: error: {message}"
         write_torchrun_error_file(line)
         self.exit(2, line + "\n")
+
+    # --8<-- [start:add-flag]
+    def add_flag(self, name: str, *aliases: str, **kwargs) -> argparse.Action:
+        """Add the flag --NAME, spelt with dashes (argparse's convention, and torchrun's newer
+        flags'), that also accepts the underscore spelling and ``aliases`` (a concept's older
+        name, e.g. --steps for --max-steps). ``dest`` is NAME with underscores unless given.
+        --help, the usage line and every error name only the dashed spelling."""
+        words = name.removeprefix("--").replace("_", "-")
+        spellings = dict.fromkeys([f"--{words}", "--" + words.replace("-", "_"), *aliases])
+        kwargs.setdefault("dest", words.replace("-", "_"))
+        action = self.add_argument(*spellings, **kwargs)
+        # The parser matches a command line against its own table of every spelling added
+        # above; the action's list is only what help, usage and error messages print.
+        action.option_strings = [f"--{words}"]
+        return action
+    # --8<-- [end:add-flag]
 
 
 def write_torchrun_error_file(line: str) -> None:

@@ -109,7 +109,7 @@ def test_launcher_sets_each_rank_and_names_the_rank_that_failed(tmp_path):
 
 
 @pytest.mark.parametrize("flag, value, message", [
-    ("--steps", "0", "argument --steps: '0' is not a whole number of at least 1"),
+    ("--steps", "0", "argument --max-steps: '0' is not a whole number of at least 1"),
     ("--batch-size", "-2", "argument --batch-size: '-2' is not a whole number of at least 1"),
     ("--timeout", "0", "--timeout 0: must be more than 0 seconds"),
 ])

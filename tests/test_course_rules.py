@@ -74,10 +74,54 @@ def test_scratch_does_not_even_name_the_library_classes():
 
 # ---------------------------------------------------------------- layout (issue 13)
 
-def test_scratch_files_are_short():
-    long = {str(p.relative_to(ROOT)): n for p in sorted((ROOT / "snippets" / "scratch").glob("*.py"))
-            if (n := len(p.read_text().splitlines())) > 300}
-    assert not long, f"snippets/scratch/ files must be at most 300 lines (move demos to bench/): {long}"
+# What snippets/scratch/ may import from the course's own package: the parts below it. The
+# planner (a cost model), bench (measurements against it), training, library and the rest sit
+# above it and may import scratch, never the other way round (README, "Contributing").
+SCRATCH_MAY_IMPORT = ("snippets.scratch", "snippets.models", "snippets.data", "snippets.dist",
+                      "snippets.flags")
+
+
+def upward_imports(source: str) -> list[str]:
+    """The snippets.* modules the code imports, anywhere in it (inside functions too), that are
+    not in SCRATCH_MAY_IMPORT."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            modules = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            modules = [node.module]
+            if node.module == "snippets":  # from snippets import planner
+                modules = [f"snippets.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):  # relative: from .x import y, from .. import z
+            modules = [f"(relative, level {node.level}) {node.module or ''}"]
+        else:
+            continue
+        for module in modules:
+            if module.startswith("(relative") or module == "snippets" or (
+                    module.startswith("snippets.")
+                    and not any(module == ok or module.startswith(ok + ".")
+                                for ok in SCRATCH_MAY_IMPORT)):
+                found.append(f"line {node.lineno}: {module}")
+    return found
+
+
+def test_the_import_checker_catches_upward_imports():
+    assert upward_imports("from snippets.planner.cost_model import MODELS")
+    assert upward_imports("def f():\n    from snippets.bench.zero_accounting import x")
+    assert upward_imports("import snippets.training.trainer")
+    assert upward_imports("from snippets import planner")
+    assert upward_imports("from . import zero")
+    assert not upward_imports("from snippets.scratch.ddp import make_buckets\n"
+                              "import snippets.models.gpt\nfrom snippets.dist import spawn\n"
+                              "from snippets.flags import Parser\nimport torch")
+
+
+def test_scratch_imports_point_down():
+    problems = {str(path.relative_to(ROOT)): found
+                for path in sorted((ROOT / "snippets" / "scratch").glob("*.py"))
+                if (found := upward_imports(path.read_text()))}
+    assert not problems, (f"snippets/scratch/ imports only {', '.join(SCRATCH_MAY_IMPORT)}; "
+                          f"move what it needs down, or the code that needs it up: {problems}")
 
 
 def test_no_snippets_module_imports_one_that_imports_it_back():

@@ -428,7 +428,8 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 SECTIONS = ["train-config", "dummy-data", "trainer-init", "wrap-model", "optimizer",
             "lr-schedule", "train-step", "checkpoint", "main", "training-loop"]
-EXERCISES = ["exercise-8", "exercise-9", "exercise-10", "exercise-11-save", "exercise-11-load"]
+EXERCISES = ["exercise-8", "exercise-9", "exercise-10", "exercise-10-forward-backward",
+             "exercise-10-clip", "exercise-11-save", "exercise-11-load"]
 
 
 def test_sections_are_balanced_and_lines_short():
@@ -457,8 +458,8 @@ def test_exercise_sections_can_be_replaced_by_a_raise():
     assert stub.count("raise NotImplementedError('exercise-") == len(EXERCISES)
     # Each raise is the whole body (after the docstring) of the method it belongs to.
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    for name in ["_setup_optimizer", "get_lr", "train_step", "save_checkpoint",
-                 "load_checkpoint"]:
+    for name in ["_setup_optimizer", "get_lr", "train_step", "forward_backward",
+                 "clip_gradients", "save_checkpoint", "load_checkpoint"]:
         body = [s for s in methods[name].body
                 if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         assert len(body) == 1 and isinstance(body[0], ast.Raise), name

@@ -78,12 +78,13 @@ def test_under_torchrun_the_course_error_comes_first_and_names_the_rank(tmp_path
 def test_under_torchrun_a_bad_flag_is_the_last_line_on_screen(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", TRAIN,
-         "--steps", "0", "--ckpt", str(tmp_path / "ckpt.pt")],
+         "--max-steps", "0", "--ckpt", str(tmp_path / "ckpt.pt")],
         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stdout == ""
     lines = [l for l in result.stderr.splitlines() if l.strip()]
-    flag = "multi_node_train.py: error: argument --steps: '0' is not a whole number of at least 1"
+    flag = ("multi_node_train.py: error: argument --max-steps: '0' is not a whole number of "
+            "at least 1")
     assert lines[0] == flag, result.stderr  # a worker's own line, before torchrun's
     # Last on screen: torchrun's summary ends with the Root Cause, the line itself, and a rule.
     assert lines[-1] == "=" * 60, result.stderr

@@ -13,8 +13,9 @@ from snippets.bench.pipeline_memory import memory_worker, plot_svg
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config
 from snippets.scratch.pipeline import (SCHEDULES, gpipe_schedule, one_f_one_b_schedule,
-                                       pipeline_train_step, single_process, split_into_stages,
-                                       train_pipeline)
+                                       pipeline_train_step, split_into_stages)
+from snippets.scratch.pipeline_check import train_pipeline
+from snippets.scratch.reference import single_process
 
 STEPS, BATCH, SEQ = 2, 8, 16
 MICRO_BATCHES = {2: [2, 4], 4: [4, 8]}  # stages -> micro-batch counts tried

@@ -11,11 +11,11 @@ import torch
 
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config
-from snippets.scratch.pipeline import single_process, split_into_stages
+from snippets.scratch.pipeline import split_into_stages
 from snippets.scratch.pipeline_interleaved import (ScheduleError, bubble_over_compute,
-                                                   chunks_of_rank, counted_bubble,
-                                                   interleaved_schedule, simulate,
-                                                   train_interleaved)
+                                                   chunks_of_rank, interleaved_schedule, simulate)
+from snippets.scratch.pipeline_interleaved_check import counted_bubble, train_interleaved
+from snippets.scratch.reference import single_process
 
 P, V, M, STEPS, BATCH, SEQ = 2, 2, 4, 3, 8, 16
 

@@ -9,9 +9,10 @@ import torch
 from snippets.dist import spawn
 from snippets.models.gpt import GPT, ConfigError, get_config
 from snippets.planner import cost_model as cm
-from snippets.scratch.pipeline import single_process
-from snippets.scratch.three_d import (BATCH, MICRO_BATCHES, SEQ, STEPS, Mesh, build_groups,
-                                      bytes_per_step, compare, demo_worker, tolerance)
+from snippets.scratch.reference import single_process
+from snippets.scratch.three_d import Mesh, build_groups
+from snippets.scratch.three_d_check import (BATCH, MICRO_BATCHES, SEQ, STEPS, bytes_per_step,
+                                            compare, demo_worker, tolerance)
 
 MESH = Mesh(dp=2, pp=2, tp=2)
 CONFIG = get_config("tiny", num_hidden_layers=MESH.pp)

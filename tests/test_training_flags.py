@@ -26,17 +26,17 @@ CASES = [
     (train_tiny_transformer, ["--resume", "--overwrite"],
      "--resume continues the run in --out and --overwrite replaces it: pass one"),
     (ddp_trainer, ["--max_steps", "0"],
-     "argument --max_steps: must be a whole number >= 1, got 0"),
+     "argument --max-steps: must be a whole number >= 1, got 0"),
     (ddp_trainer, ["--grad_accum_steps", "0"],
-     "argument --grad_accum_steps: must be a whole number >= 1, got 0"),
+     "argument --grad-accum-steps: must be a whole number >= 1, got 0"),
     (ddp_trainer, ["--keep_last", "0"],
-     "argument --keep_last: must be a whole number >= 1, got 0"),
+     "argument --keep-last: must be a whole number >= 1, got 0"),
     (ddp_trainer, ["--lr", "1e-3", "--min_lr", "1e-2"],
-     "argument --min_lr: must be at most --lr (0.001), got 0.01"),
+     "argument --min-lr: must be at most --lr (0.001), got 0.01"),
     (fsdp_trainer, ["--shard_group_size", "0"],
-     "argument --shard_group_size: must be a whole number >= 1, got 0"),
+     "argument --shard-group-size: must be a whole number >= 1, got 0"),
     (ddp_simulation_train, ["--steps", "0"],
-     "argument --steps: must be a whole number >= 1, got 0"),
+     "argument --max-steps: must be a whole number >= 1, got 0"),
     (ddp_simulation_train, ["--ckpt-every", "0"],
      "argument --ckpt-every: must be a whole number >= 1, got 0"),
     (ddp_simulation_train, ["--fail-rank", "1"],
@@ -48,7 +48,7 @@ CASES = [
     (ddp_simulation_train, ["--fail-rank", "2", "--fail-step", "3"],  # WORLD_SIZE=2 below
      "argument --fail-rank: must be a rank of this job, 0 to 1 (WORLD_SIZE=2), got 2"),
     (ddp_simulation_train, ["--steps", "6", "--fail-rank", "1", "--fail-step", "6"],
-     "argument --fail-step: must be below --steps 6 or the failure never happens, got 6"),
+     "argument --fail-step: must be below --max-steps 6 or the failure never happens, got 6"),
 ]
 
 
@@ -67,7 +67,7 @@ def test_sweep_checks_its_flags(capsys):
         lab1_sweep.main(["--steps", "0"])
     assert exit_.value.code == 2
     assert capsys.readouterr().err.endswith(
-        "error: argument --steps: must be a whole number >= 1, got 0\n")
+        "error: argument --max-steps: must be a whole number >= 1, got 0\n")
 
 
 def test_good_flags_parse(monkeypatch):
@@ -95,7 +95,7 @@ SCRIPTS = [
     ("snippets.training.precision_and_accumulation", ["--threads", "0"],
      "argument --threads: must be a whole number >= 1, got 0"),
     ("snippets.training.low_precision", ["--steps", "0"],
-     "argument --steps: must be a whole number >= 1, got 0"),
+     "argument --max-steps: must be a whole number >= 1, got 0"),
     ("snippets.training.accelerate_sharding", ["--processes", "0"],
      "argument --processes: must be a whole number >= 1, got 0"),
     ("snippets.training.profile_step", ["--data-delay-ms", "-5"],
@@ -120,7 +120,7 @@ MAIN_CASES = [
     ("snippets.cluster.multi_node_train", ["--lr", "0"],
      "argument --lr: must be a number > 0, got 0"),
     ("snippets.cluster.deepspeed.train_deepspeed", ["--steps", "0"],
-     "argument --steps: must be a whole number >= 1, got 0"),
+     "argument --max-steps: must be a whole number >= 1, got 0"),
     ("snippets.training.train_tiny_transformer", ["--seed", "-1"],
      "argument --seed: must be a whole number >= 0, got -1"),
     ("snippets.training.read_logs", ["/no/such/run"],

@@ -17,7 +17,7 @@ from snippets.data.dataset import random_token_batches
 from snippets.scratch.ddp_check import GLOBAL_BATCH, SEQ, STEPS  # the DDP check's batches
 from snippets.scratch.flat_shard import CommStats
 from snippets.scratch.zero import ZeRO1Optimizer, ZeRO2Optimizer, ZeRO3
-from snippets.scratch.zero_check import full_moments, moment_shards
+from snippets.bench.zero_check import full_moments, moment_shards
 
 BATCHES = random_token_batches(STEPS, GLOBAL_BATCH, SEQ)  # the same on every rank
 

@@ -3,7 +3,7 @@
 model_state_bytes counts the bytes of parameters, gradients and optimizer state a rank really
 holds (the storages it can reach); expected_model_state_bytes and expected_traffic_bytes are the
 per-rank formulas for the stages of snippets/scratch/zero.py. tests/test_zero.py, the ZeRO check
-(python -m snippets.scratch.zero_check) and the benchmark (snippets/bench/zero_memory.py) put
+(python -m snippets.bench.zero_check) and the benchmark (snippets/bench/zero_memory.py) put
 the two side by side.
 """
 

@@ -1,7 +1,7 @@
 """Play a cluster's part on one machine: start N "nodes" x M processes of a training script.
 
     python -m snippets.cluster.fake_multi_node_launcher --nnodes 2 --nproc-per-node 2 \\
-        snippets/cluster/multi_node_train.py --steps 3
+        snippets/cluster/multi_node_train.py --max-steps 3
 
 This is a simulation of what SLURM plus torchrun do on a real cluster, nothing more: every
 "node" is a group of processes on this machine, and the only thing that makes them a node is

@@ -1,6 +1,6 @@
 """Merge per-rank logs into one timeline: what every rank did, in time order.
 
-    torchrun --nproc_per_node=2 snippets/training/ddp_simulation_train.py --steps 3
+    torchrun --nproc_per_node=2 snippets/training/ddp_simulation_train.py --max-steps 3
     python -m snippets.cluster.merge_logs logs               # the merged timeline
     python -m snippets.cluster.merge_logs logs --last        # each rank's last line: who stopped?
 

@@ -1,7 +1,7 @@
 """Lab 3's training script: what every process of a multi-node job runs.
 
     python -m snippets.cluster.fake_multi_node_launcher --nnodes 2 --nproc-per-node 2 \\
-        snippets/cluster/multi_node_train.py --steps 4
+        snippets/cluster/multi_node_train.py --max-steps 4
 
 The script does not know how many machines there are; it reads who it is from the environment
 its launcher set (our fake launcher, torchrun, or SLURM's srun starting torchrun), prints that,
@@ -64,8 +64,8 @@ def describe_process(env: dict) -> dict:
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=positive_int, default=4)
-    p.add_argument("--batch-size", type=positive_int, default=8,
+    p.add_flag("max-steps", "--steps", dest="steps", type=positive_int, default=4)
+    p.add_flag("batch-size", type=positive_int, default=8,
                    help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
     p.add_argument("--lr", type=positive_float, default=3e-3)

@@ -31,7 +31,7 @@ def measure(nnodes: int, nproc_per_node: int, steps: int = 8) -> dict:
         out = subprocess.run(
             [sys.executable, "-m", "snippets.cluster.fake_multi_node_launcher",
              f"--nnodes={nnodes}", f"--nproc-per-node={nproc_per_node}",
-             "snippets/cluster/multi_node_train.py", "--steps", str(steps),
+             "snippets/cluster/multi_node_train.py", "--max-steps", str(steps),
              "--ckpt", os.path.join(tmp, "ckpt.pt")],
             cwd=ROOT, capture_output=True, text=True, timeout=600, check=True).stdout
     world, tokens, step_ms, tokens_per_s = DONE.search(out).groups()

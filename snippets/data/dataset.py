@@ -27,7 +27,7 @@ def load_tokens(path: str | Path | None, tokenizer=None, context_length: int = 1
         name = path if path is not None else "the built-in corpus"
         raise DataError(f"{name} is too short: {len(ids)} tokens, but one training window "
                         f"needs context_length + 1 = {need} tokens (use a longer file "
-                        "or a smaller --context-length)")
+                        "or a smaller --seq-len)")
     # Byte ids fit in uint8: 1 byte per token instead of 8 keeps big files small in memory.
     dtype = torch.uint8 if tokenizer.vocab_size <= 256 else torch.int32
     return torch.tensor(ids, dtype=dtype)
@@ -50,7 +50,7 @@ def train_val_split(tokens: torch.Tensor, val_fraction: float = 0.1, context_len
     if len(train) < need or len(val) < need:
         raise DataError(f"{source} has {len(tokens)} tokens; split {len(train)}/{len(val)} "
                         f"(train/val) leaves a part shorter than one window of {need} tokens: "
-                        "use a longer file, a smaller --context-length or another --val-fraction")
+                        "use a longer file, a smaller --seq-len or another --val-fraction")
     return train, val
 # --8<-- [end:split]
 

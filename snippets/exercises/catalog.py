@@ -249,14 +249,16 @@ EXERCISES: tuple[Exercise, ...] = (
     ),
     Exercise(
         number=10, title="DistributedTrainer.train_step", file=DDP_FILE,
-        sections=("exercise-10",), phase=2,
+        sections=("exercise-10", "exercise-10-forward-backward", "exercise-10-clip"), phase=2,
         task="one optimizer step: set the scheduled lr, accumulate the gradients of "
              "grad_accum_steps micro-batches, clip, step, clear the gradients, return the stats",
         concept="The training step: gradient accumulation, clipping, scheduling",
         difficulty="Hard (20-30 lines)",
         hints=(
             "the schedule gives this step's learning rate (self.get_lr(self.step)); the optimizer "
-            "reads it from each of its param_groups, so write it there before stepping",
+            "reads it from each of its param_groups, so write it there before stepping. Then "
+            "train_step calls self.forward_backward(batch_iter) and self.clip_gradients(), "
+            "the two other methods of this exercise",
             "each of the grad_accum_steps micro-steps takes the next batch from batch_iter, splits "
             "it into inputs and next-token targets with shift_for_next_token, and runs forward and "
             "backward inside self._grad_sync(...): only the last micro-step synchronises",

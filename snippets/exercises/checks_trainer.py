@@ -20,8 +20,8 @@ from snippets.models import gpt as ref
 # Each check judges one method: the learner's trainer class is subclassed with the solution's
 # version of every other exercise method, so a wrong get_lr cannot fail the train_step check.
 
-TRAINER_EXERCISE_METHODS = ("_setup_optimizer", "get_lr", "train_step", "save_checkpoint",
-                            "load_checkpoint")
+TRAINER_EXERCISE_METHODS = ("_setup_optimizer", "get_lr", "train_step", "forward_backward",
+                            "clip_gradients", "save_checkpoint", "load_checkpoint")
 
 
 def _ref_trainer() -> ModuleType:
@@ -198,7 +198,8 @@ def check_get_lr(learner: ModuleType) -> list[str]:
 
 def check_train_step(learner: ModuleType) -> list[str]:
     solution = _ref_trainer()
-    cls = _trainer_class(learner, "train_step", wrapper=_Wrapper)
+    cls = _trainer_class(learner, "train_step", "forward_backward", "clip_gradients",
+                         wrapper=_Wrapper)
     batch = torch.randint(0, 256, (8, 17), generator=torch.Generator().manual_seed(0))
     passed = []
 

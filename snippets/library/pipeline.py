@@ -63,7 +63,7 @@ def torch_pipeline_train_step(module, schedule, tokens: torch.Tensor, stage_inde
 
 def train_torch_pipeline(rank, world_size, schedule_names, num_micro_batches, steps, batch_size,
                          seq_len, num_layers=None):
-    """The training of snippets.scratch.pipeline.train_pipeline, with torch's schedules."""
+    """The training of snippets.scratch.pipeline_check.train_pipeline, with torch's schedules."""
     results = {}
     for name in schedule_names:
         torch.manual_seed(0)
@@ -85,7 +85,7 @@ def train_torch_pipeline(rank, world_size, schedule_names, num_micro_batches, st
 
 def both_pipelines(rank, world_size, *args):
     """From scratch and torch's, in the same processes."""
-    from snippets.scratch.pipeline import train_pipeline
+    from snippets.scratch.pipeline_check import train_pipeline
 
     scratch = train_pipeline(rank, world_size, *args)
     return scratch, train_torch_pipeline(rank, world_size, *args)
@@ -113,7 +113,7 @@ def parse_args(argv=None):
 # --8<-- [start:main]
 def main(argv=None) -> None:
     from snippets.dist import spawn
-    from snippets.scratch.pipeline import single_process
+    from snippets.scratch.reference import single_process
 
     args = parse_args(argv)
     stages, m, steps, batch, seq = (args.stages, args.micro_batches, args.steps,

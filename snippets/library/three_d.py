@@ -30,7 +30,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from snippets.models.gpt import GPT, get_config
 from snippets.library.pipeline import torch_pipeline_train_step
 from snippets.library.tensor_parallel import block_plan, full_weights
-from snippets.scratch.pipeline import cross_entropy, single_process, split_into_stages
+from snippets.scratch.pipeline import cross_entropy, split_into_stages
+from snippets.scratch.reference import single_process
 from snippets.scratch.tensor_parallel import check_tensor_parallel_sizes
 from snippets.flags import Parser
 
@@ -63,7 +64,7 @@ def parallelize_3d(model: GPT, pp: int, dp: int, tp: int, micro_batches: int,
 # --8<-- [start:train]
 def train_3d(rank: int, world_size: int, pp: int, dp: int, tp: int, steps: int, batch_size: int,
              seq_len: int, micro_batches: int) -> dict:
-    """scratch/pipeline.py's single_process training, spread over a pp x dp x tp mesh. Each DP
+    """scratch/reference.py's single_process training, spread over a pp x dp x tp mesh. Each DP
     rank takes its 1/dp of every global batch; the TP ranks of a replica take the same."""
     torch.manual_seed(0)  # the same initial weights as single_process
     model = GPT(get_config("tiny", num_hidden_layers=pp))
@@ -87,12 +88,12 @@ def train_3d(rank: int, world_size: int, pp: int, dp: int, tp: int, steps: int, 
 
 # --8<-- [start:demo]
 PP, DP, TP = 2, 2, 2
-STEPS, BATCH, SEQ, MICRO_BATCHES = 3, 8, 16, 2  # scratch/three_d.py's run
+STEPS, BATCH, SEQ, MICRO_BATCHES = 3, 8, 16, 2  # scratch/three_d_check.py's run
 
 
 def main(argv: list[str] | None = None) -> None:
     from snippets.dist import spawn
-    from snippets.scratch.three_d import tolerance
+    from snippets.scratch.three_d_check import tolerance
 
     # No flags: one given by mistake is refused, not silently ignored.
     Parser(description=__doc__.splitlines()[0]).parse_args(argv)

@@ -133,7 +133,7 @@ CONFIGS = {
     # Trains in well under a minute on a laptop CPU.
     "tiny": GPTConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2,
                       num_attention_heads=4, max_position_embeddings=64),
-    # About 0.8M parameters: the learning guide's --model_size small.
+    # About 0.8M parameters: the learning guide's --model-size small.
     "small": GPTConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4,
                        num_attention_heads=4, max_position_embeddings=128),
     # About 4.8M parameters; still runs 50 steps on 2 CPU processes in a couple of minutes.

@@ -28,7 +28,8 @@ from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
 from snippets.scratch.ddp import make_buckets
 from snippets.scratch.moe import (MoE, apply_expert_parallel, is_expert_parameter, moe_aux_loss,
                                   swap_mlps_for_moe)
-from snippets.scratch.three_d import Mesh, average_gradients, build_groups, tolerance
+from snippets.scratch.three_d import Mesh, average_gradients, build_groups
+from snippets.scratch.three_d_check import tolerance
 
 EP, DP, EXPERTS, TOP_K = 2, 2, 4, 2
 STEPS, BATCH, SEQ, AUX_WEIGHT, LR = 3, 8, 16, 0.01, 0.5
@@ -214,16 +215,16 @@ def update_gap(state: dict, init: dict, a: int, b: int) -> float:
 # --8<-- [start:tolerance]
 # How close is equal? The same fp32 numbers are added as in one process, in another order: an
 # expert multiplies its EP group's shards' rows in one matmul, not a shard at a time (BLAS may
-# order a dot product's K <= intermediate_size terms differently for another row count), sums
-# their token terms into its weight gradient at once, and the expert-data all-reduce adds the
-# other replica's; a dense gradient sums a shard's tokens, then the all-reduce the 4 ranks', where
-# one process accumulates 4 backward passes. Divisions are by 2 or 4: exact. As in
-# three_d.tolerance: a reordered sum of n terms moves by at most (n-1) u sum|terms|, u = 2^-24,
-# about (K + B*T) u of the result for terms of one sign; SGD with momentum keeps a weight's error
-# that share of how far it moved; doubled for cancellation: 2 (K + B*T) u * scale, scale = the
-# largest weight change (or the loss). Not covered: rounding flipping a router's top-k between
-# experts tied to the last bit. Kernels are pinned (snippets/__init__.py), one thread per rank:
-# such a flip would fail every run, not some. The wrong group is off by a whole update.
+# order a dot product's K <= intermediate_size terms differently for another row count), sums their
+# token terms into its weight gradient at once, and the expert-data all-reduce adds the other
+# replica's; a dense gradient sums a shard's tokens, then the all-reduce the 4 ranks', where one
+# process accumulates 4 backward passes. Divisions are by 2 or 4: exact. As in
+# three_d_check.tolerance: a reordered sum of n terms moves by at most (n-1) u sum|terms|,
+# u = 2^-24, about (K + B*T) u of the result for terms of one sign; SGD with momentum keeps a
+# weight's error that share of how far it moved; doubled for cancellation: 2 (K + B*T) u * scale,
+# scale = the largest weight change (or the loss). Not covered: rounding flipping a router's top-k
+# between experts tied to the last bit. Kernels are pinned (snippets/__init__.py), one thread per
+# rank: such a flip would fail every run, not some. The wrong group is off by a whole update.
 def bound(scale: float) -> float:
     return tolerance(CONFIG, BATCH, SEQ, scale)
 # --8<-- [end:tolerance]

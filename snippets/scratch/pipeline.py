@@ -12,11 +12,13 @@ backwards (B):
   backwards. The same bubble, but a stage never holds more than p micro-batches' activations.
 
 Each rank records when every forward and backward started and ended (pipeline_trace.py), so a
-timeline can be drawn and the bubble (the idle share of the step) measured. The loss of each micro-batch is divided by
-m, so the gradients summed over the micro-batches equal one big batch's.
+timeline can be drawn and the bubble (the idle share of the step) measured. The loss of each
+micro-batch is divided by m, so the gradients summed over the micro-batches equal one big
+batch's.
 
-Only torch.distributed primitives (isend, recv); tests/test_pipeline.py checks both schedules
-against one process; bench/pipeline_bubble.py and bench/pipeline_memory.py measure them.
+Only torch.distributed primitives (isend, recv). Training with it, against one process
+(reference.py), is pipeline_check.py; tests/test_pipeline.py checks both schedules that way, and
+bench/pipeline_bubble.py and bench/pipeline_memory.py measure them.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
+from snippets.models.gpt import GPT, ConfigError, shift_for_next_token
 from snippets.scratch.pipeline_trace import StageTrace
 
 
@@ -145,7 +147,7 @@ def run_schedule(stage: nn.Module, actions: list, stage_index: int, num_stages: 
             if first:
                 x = micro_inputs[i]
             else:
-                x = torch.empty(activation_shape, dtype=dtype)
+                x = torch.empty(activation_shape, dtype=dtype, device=micro_inputs[0].device)
                 dist.recv(x, group=group, group_src=stage_index - 1, tag=i)
                 x.requires_grad_()  # so that backward produces the gradient to send back
             with trace.op("F", i):
@@ -220,48 +222,3 @@ def pipeline_train_step(stage: GPTStage, schedule, tokens: torch.Tensor, num_mic
     return loss, trace
 # --8<-- [end:train-step]
 
-
-# --8<-- [start:training]
-def train_pipeline(rank, world_size, schedule_names, num_micro_batches, steps, batch_size, seq_len,
-                   config_name="tiny", num_layers=None):
-    """Train a GPT (by default the tiny one with one layer per stage) for a few steps with each
-    schedule; return, per schedule, this stage's weights, the losses and every step's trace."""
-    results = {}
-    for name in schedule_names:
-        torch.manual_seed(0)
-        model = GPT(get_config(config_name, num_hidden_layers=num_layers or world_size))
-        stage = split_into_stages(model, world_size)[rank]
-        optimizer = torch.optim.SGD(stage.parameters(), lr=0.5, momentum=0.9)
-        g = torch.Generator().manual_seed(1)  # the same batches on every rank
-        losses, traces = [], []
-        for _ in range(steps):
-            tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1),
-                                   generator=g)
-            dist.barrier()  # only so that each step's timeline starts together on every rank
-            loss, trace = pipeline_train_step(stage, SCHEDULES[name], tokens,
-                                              num_micro_batches, rank, world_size)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss)
-            traces.append(trace)
-        state = {k: v.clone() for k, v in stage.state_dict().items()}
-        results[name] = {"state": state, "losses": losses, "traces": traces}
-    return results
-
-
-def single_process(steps, batch_size, seq_len, config_name="tiny", num_layers=2):
-    """The same training with the whole model in one process: the reference."""
-    torch.manual_seed(0)
-    model = GPT(get_config(config_name, num_hidden_layers=num_layers))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq_len + 1), generator=g)
-        _, loss = model(*shift_for_next_token(tokens))
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return model.state_dict(), losses
-# --8<-- [end:training]

@@ -15,11 +15,14 @@ TP sends, and shards the tensors between the regions for free. One thing is new:
 outside the regions (the norms, the embedding) sees only this rank's tokens, so its gradient
 is a partial sum, and must be all-reduced over the group.
 
-`apply_sequence_parallel(model)` converts a plain GPT (snippets/models/gpt.py) in place; every
-rank is given the whole batch and takes its own tokens. Only torch.distributed primitives are
-used; tests/test_sequence_parallel.py checks the result against the single-device model.
+`apply_sequence_parallel(model)` converts a plain GPT (snippets/models/gpt.py) in place, in two
+steps: `parallelize_sequence` splits the blocks and hooks the gradients of the unsplit weights,
+and `split_batch_by_sequence` lets every rank be given the whole batch and take its own tokens
+(a caller that hands each rank its tokens itself, a pipeline stage, uses the first step alone).
+Only torch.distributed primitives are used; tests/test_sequence_parallel.py checks the result
+against the single-device model, and sequence_parallel_check.py runs it:
 
-    python -m snippets.scratch.sequence_parallel    # 2 ranks against one process, bytes sent
+    python -m snippets.scratch.sequence_parallel_check    # 2 ranks against one process, bytes
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from snippets.models.gpt import GPT, get_config
+from snippets.models.gpt import GPT
 from snippets.scratch.tensor_parallel import (
     ColumnParallelLinear,
     TensorParallelCommStats,
@@ -210,10 +213,12 @@ def split_batch_by_sequence(model: GPT, group, stats: SequenceCommStats) -> None
 
 
 # --8<-- [start:apply]
-def apply_sequence_parallel(model: GPT, group=None) -> SequenceCommStats:
-    """Turn a plain GPT into its tensor- and sequence-parallel version, in place.
+def parallelize_sequence(model: GPT, group=None) -> SequenceCommStats:
+    """Split every block of a plain GPT, in place, and sum the gradients of what stays whole.
 
-    Returns the SequenceCommStats the collectives count into.
+    The model then runs on this rank's T/N tokens: the caller hands each rank its own, and
+    makes the loss the mean over all ranks' tokens (split_batch_by_sequence does both for a
+    caller that passes the whole batch). Returns the SequenceCommStats the collectives count into.
     """
     check_tensor_parallel_sizes(model.config, dist.get_world_size(group))
     first = dist.get_global_rank(group or dist.group.WORLD, 0)
@@ -228,6 +233,16 @@ def apply_sequence_parallel(model: GPT, group=None) -> SequenceCommStats:
     for p in model.parameters():
         if id(p) not in sharded:
             all_reduce_gradient_of(p, group, stats)
+    return stats
+
+
+def apply_sequence_parallel(model: GPT, group=None) -> SequenceCommStats:
+    """Turn a plain GPT into its tensor- and sequence-parallel version, in place: the blocks
+    split, and every rank given the whole batch keeps its own tokens.
+
+    Returns the SequenceCommStats the collectives count into.
+    """
+    stats = parallelize_sequence(model, group)
     split_batch_by_sequence(model, group, stats)
     return stats
 # --8<-- [end:apply]
@@ -248,42 +263,3 @@ def collective_payloads_per_step(config, batch_size: int, seq_len: int,
             for phase in ("forward", "backward") for collective in ("all_gather", "reduce_scatter")}
 # --8<-- [end:theory]
 
-
-# --8<-- [start:demo]
-def demo_worker(rank: int, world_size: int, tokens: torch.Tensor) -> dict:
-    torch.manual_seed(0)  # the same initial weights as the single-device model below
-    model = GPT(get_config("tiny"))
-    stats = apply_sequence_parallel(model)
-    logits, loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    return {"loss": loss.item(), "logits": tuple(logits.shape),
-            "norm_grad": model.layers[0].input_layernorm.weight.grad, "stats": stats}
-
-
-def main(world_size: int = 2) -> None:
-    from snippets.dist import spawn
-
-    config = get_config("tiny")  # hidden 64, 4 heads, intermediate 172, 2 blocks
-    generator = torch.Generator().manual_seed(1)
-    tokens = torch.randint(0, config.vocab_size, (4, 33), generator=generator)
-    torch.manual_seed(0)
-    model = GPT(config)
-    logits, loss = model(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    ranks = spawn(demo_worker, world_size, tokens)
-    print(f"single device: loss {loss.item():.6f}, logits {tuple(logits.shape)}")
-    for rank, r in enumerate(ranks):
-        print(f"SP rank {rank}:     loss {r['loss']:.6f}, logits {r['logits']} (its tokens)")
-    norm_grad = model.layers[0].input_layernorm.weight.grad
-    print(f"first norm's gradient, rank 0 vs single device: max difference "
-          f"{(ranks[0]['norm_grad'] - norm_grad).abs().max().item():.1e}")
-    stats, theory = ranks[0]["stats"], collective_payloads_per_step(config, 4, 32)
-    for key in sorted(stats.calls):
-        formula = "formula {} calls, {:,} bytes".format(*theory[key]) if key in theory else ""
-        print(f"{key[0]:8} {key[1]:14} {stats.calls[key]} calls, {stats.payload[key]:7,} bytes  "
-              f"{formula}".rstrip())
-# --8<-- [end:demo]
-
-
-if __name__ == "__main__":
-    main()

@@ -20,7 +20,7 @@ only, in three stages:
 The flat buffer (FlatShard) and the collectives that count the bytes each rank sends (CommStats)
 are in snippets/scratch/flat_shard.py. Only torch.distributed primitives are used (all_reduce,
 all_gather_single, reduce_scatter_single); tests/test_zero.py checks every stage against
-single-process AdamW training, and `python -m snippets.scratch.zero_check` shows it on 2 ranks.
+single-process AdamW training, and `python -m snippets.bench.zero_check` shows it on 2 ranks.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ parts handed to an `Accelerator`.
 Two CPU processes (the script's --cpu is what makes them one job, see check_launch):
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
-        --dynamo_backend no snippets/training/accelerate_train.py --cpu --steps 5
+        --dynamo_backend no snippets/training/accelerate_train.py --cpu --max-steps 5
 
 On a GPU machine drop --cpu and set --num_processes to the number of GPUs. The same script also
 runs alone (`python snippets/training/accelerate_train.py`) or under torchrun.
@@ -47,9 +47,10 @@ class IndexedWindows(Dataset):
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int_at_least(1), default=20, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int_at_least(1), default=8,
-                   help="sequences per process per step")
+    p.add_flag("max-steps", "--steps", dest="steps", type=int_at_least(1), default=20,
+               help="optimizer steps in total")
+    p.add_flag("batch-size", type=int_at_least(1), default=8,
+               help="sequences per process per step")
     p.add_argument("--config", default="tiny")
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int_at_least(0), default=0)

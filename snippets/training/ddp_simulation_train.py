@@ -51,15 +51,15 @@ class Windows(Dataset):
 
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--steps", type=int_at_least(1), default=30, help="optimizer steps in total")
-    p.add_argument("--batch-size", type=int_at_least(1), default=8,
-                   help="sequences per rank per step")
+    p.add_flag("max-steps", "--steps", dest="steps", type=int_at_least(1), default=30,
+               help="optimizer steps in total")
+    p.add_flag("batch-size", type=int_at_least(1), default=8, help="sequences per rank per step")
     p.add_argument("--config", default="tiny")
     p.add_argument("--lr", type=positive_float, default=3e-3)
     p.add_argument("--seed", type=int_at_least(0), default=0)
     p.add_argument("--log-dir", default="logs", help="each rank writes LOG_DIR/rank_N/train.log")
     p.add_argument("--ckpt", default="runs/ddp_simulation/ckpt.pt")
-    p.add_argument("--ckpt-every", type=int_at_least(1), default=5)
+    p.add_flag("ckpt-every", type=int_at_least(1), default=5)
     p.add_argument("--resume", action="store_true",
                    help="continue from --ckpt if it exists (a torchrun restart always does)")
     p.add_argument("--overwrite", action="store_true",
@@ -87,7 +87,7 @@ def parse_args(argv=None):
         p.error(f"argument --fail-rank: must be a rank of this job, 0 to {world - 1} "
                 f"(WORLD_SIZE={world}), got {args.fail_rank}")
     if args.fail_step is not None and args.fail_step >= args.steps:
-        p.error(f"argument --fail-step: must be below --steps {args.steps} or the failure "
+        p.error(f"argument --fail-step: must be below --max-steps {args.steps} or the failure "
                 f"never happens, got {args.fail_step}")
     return args
 

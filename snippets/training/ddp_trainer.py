@@ -156,7 +156,18 @@ class DistributedTrainer:
     def tokens_per_step(self) -> int:
         """Tokens behind one optimizer step, summed over accumulation and processes."""
         tc = self.train_config
-        return tc.batch_size * tc.grad_accum_steps * self.world_size * self.seq_len
+        return tc.batch_size * tc.grad_accum_steps * self.replicas * self.seq_len
+
+    @property
+    def replicas(self) -> int:
+        """DDP seam: how many ranks take different rows of each global batch (all of them
+        here; the parallel trainer's DP replicas there)."""
+        return self.world_size
+
+    @property
+    def replica(self) -> int:
+        """Which rows this rank takes."""
+        return self.rank
 
     # --8<-- [start:wrap-model]
     def _wrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -184,7 +195,7 @@ class DistributedTrainer:
         # different data, the sampler's state is the same on every rank (so rank 0's copy in
         # a checkpoint resumes all of them), and N processes x batch B see exactly the batches
         # one process with batch N x B would.
-        seed, global_batch = tc.seed, tc.batch_size * self.world_size
+        seed, global_batch = tc.seed, tc.batch_size * self.replicas
         if tc.data == "dummy":
             return DummyBatches(self.config.vocab_size, global_batch, self.seq_len, seed)
         tokenizer = ByteTokenizer()
@@ -202,7 +213,7 @@ class DistributedTrainer:
         batch. Lazy: a batch is drawn only when train_step asks for it, so the sampler state in
         a checkpoint is exactly 'next batch'."""
         while True:
-            yield self.sampler.next_batch()[self.rank :: self.world_size]
+            yield self.sampler.next_batch()[self.replica :: self.replicas]
 
     # --8<-- [start:optimizer]
     def _setup_optimizer(self) -> torch.optim.AdamW:
@@ -259,13 +270,31 @@ class DistributedTrainer:
     def train_step(self, batch_iter) -> dict:
         """One optimizer step from grad_accum_steps micro-batches drawn from batch_iter.
 
-        Returns the loss (mean over the micro-batches), the gradient norm before clipping,
-        the lr used, and the number of tokens this step trained on (over all processes)."""
+        Returns the loss (mean over the micro-batches and processes), the gradient norm before
+        clipping, the lr used, and the number of tokens this step trained on (over all
+        processes). How the model is laid out over the processes is forward_backward's and
+        clip_gradients' business: the parallel trainer (parallel_trainer.py) overrides those
+        two and keeps this method."""
         # --8<-- [start:exercise-10]
-        accum = self.train_config.grad_accum_steps
         lr = self.get_lr(self.step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
+        loss, tokens = self.forward_backward(batch_iter)
+        grad_norm = self.clip_gradients()
+        self.optimizer.step()
+        # None instead of zeros: frees the memory now, and the next backward writes the
+        # gradient instead of adding to zeros.
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return {"loss": loss, "grad_norm": grad_norm, "lr": lr, "tokens": tokens}
+        # --8<-- [end:exercise-10]
+
+    def forward_backward(self, batch_iter) -> tuple[float, int]:
+        """Forward and backward of grad_accum_steps micro-batches, the gradients summed into
+        .grad and synchronised. Returns (the mean loss over micro-batches and processes, the
+        tokens trained on over all processes)."""
+        # --8<-- [start:exercise-10-forward-backward]
+        accum = self.train_config.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
         for micro_step in range(accum):
@@ -280,23 +309,21 @@ class DistributedTrainer:
                 (loss / accum).backward()
             loss_sum += loss.detach()
             tokens += targets.numel()
-        # The global norm over all parameters; rescale every gradient if it is above
-        # grad_clip, so one bad batch cannot throw the weights far. Returns the norm before.
-        max_norm = self.train_config.grad_clip if self.train_config.grad_clip > 0 else math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
-        # None instead of zeros: frees the memory now, and the next backward writes the
-        # gradient instead of adding to zeros.
-        self.optimizer.zero_grad(set_to_none=True)
-        self.step += 1
         # .item() waits for the device: fine once a step. Under DDP each rank's loss covers its
         # own slice; averaged over ranks it is the global batch's loss.
         if self.world_size > 1:
             dist.all_reduce(loss_sum)  # a sum: gloo has no AVG
             loss_sum /= self.world_size
-        return {"loss": (loss_sum / accum).item(), "grad_norm": grad_norm.item(), "lr": lr,
-                "tokens": tokens * self.world_size}
-        # --8<-- [end:exercise-10]
+        return (loss_sum / accum).item(), tokens * self.world_size
+        # --8<-- [end:exercise-10-forward-backward]
+
+    def clip_gradients(self) -> float:
+        """Scale every gradient down if their global norm is above grad_clip, so one bad batch
+        cannot throw the weights far. Returns the norm before clipping."""
+        # --8<-- [start:exercise-10-clip]
+        max_norm = self.train_config.grad_clip if self.train_config.grad_clip > 0 else math.inf
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm).item()
+        # --8<-- [end:exercise-10-clip]
     # --8<-- [end:train-step]
 
     # --8<-- [start:checkpoint]
@@ -362,35 +389,35 @@ def build_parser(description: str, out: str) -> argparse.ArgumentParser:
     """The trainers' shared command line (fsdp_trainer.py adds its own options to it)."""
     defaults = TrainConfig()
     p = Parser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--model_size", default="small",
-                   help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
+    p.add_flag("model-size", default="small",
+               help=f"a named config ({', '.join(CONFIGS)}) or a JSON config file")
     p.add_argument("--data", default=defaults.data,
                    help="builtin (generated corpus), dummy (random tokens), or a UTF-8 text file")
-    p.add_argument("--max_steps", type=int_at_least(1), default=defaults.max_steps)
-    p.add_argument("--batch_size", type=int_at_least(1), default=defaults.batch_size,
-                   help="micro-batch: sequences per forward/backward")
-    p.add_argument("--grad_accum_steps", type=int_at_least(1), default=defaults.grad_accum_steps)
-    p.add_argument("--seq_len", type=int_at_least(1), default=None,
-                   help="tokens per sequence (default: the config's max_position_embeddings)")
+    p.add_flag("max-steps", "--steps", type=int_at_least(1), default=defaults.max_steps)
+    p.add_flag("batch-size", type=int_at_least(1), default=defaults.batch_size,
+               help="micro-batch: sequences per forward/backward")
+    p.add_flag("grad-accum-steps", type=int_at_least(1), default=defaults.grad_accum_steps)
+    p.add_flag("seq-len", "--context-length", type=int_at_least(1), default=None,
+               help="tokens per sequence (default: the config's max_position_embeddings)")
     p.add_argument("--lr", type=positive_float, default=defaults.lr, help="peak learning rate")
-    p.add_argument("--min_lr", type=float_at_least(0), default=None,
-                   help="final learning rate of the cosine decay (default: lr / 10)")
-    p.add_argument("--warmup_steps", type=int_at_least(0), default=defaults.warmup_steps)
-    p.add_argument("--weight_decay", type=float_at_least(0), default=defaults.weight_decay)
-    p.add_argument("--grad_clip", type=float_at_least(0), default=defaults.grad_clip,
-                   help="max global gradient norm; 0 disables clipping")
+    p.add_flag("min-lr", type=float_at_least(0), default=None,
+               help="final learning rate of the cosine decay (default: lr / 10)")
+    p.add_flag("warmup-steps", type=int_at_least(0), default=defaults.warmup_steps)
+    p.add_flag("weight-decay", type=float_at_least(0), default=defaults.weight_decay)
+    p.add_flag("grad-clip", type=float_at_least(0), default=defaults.grad_clip,
+               help="max global gradient norm; 0 disables clipping")
     p.add_argument("--seed", type=int_at_least(0), default=defaults.seed)
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "mps", "cuda"])
     p.add_argument("--out", default=out, help="directory for the checkpoints")
-    p.add_argument("--ckpt_every", type=int_at_least(0), default=100,
-                   help="save a checkpoint every N steps (and always at the end); 0 = end only")
-    p.add_argument("--keep_last", type=int_at_least(1), default=3,
-                   help="checkpoints of this run to keep (earlier runs' are never deleted)")
+    p.add_flag("ckpt-every", type=int_at_least(0), default=100,
+               help="save a checkpoint every N steps (and always at the end); 0 = end only")
+    p.add_flag("keep-last", type=int_at_least(1), default=3,
+               help="checkpoints of this run to keep (earlier runs' are never deleted)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest good checkpoint in OUT")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in OUT (deletes only its checkpoints) and start again")
-    p.add_argument("--log_every", type=int_at_least(1), default=10)
+    p.add_flag("log-every", type=int_at_least(1), default=10)
     return p
 
 
@@ -399,7 +426,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out and --overwrite replaces it: pass one")
     if args.min_lr is not None and args.min_lr > args.lr:
-        p.error(f"argument --min_lr: must be at most --lr ({args.lr}), got {args.min_lr}")
+        p.error(f"argument --min-lr: must be at most --lr ({args.lr}), got {args.min_lr}")
     return args
 
 

@@ -1,8 +1,8 @@
 """The learning guide's trainer, fully sharded with FSDP2 (`torch.distributed.fsdp.fully_shard`).
 
-    torchrun --nproc_per_node=2 snippets/training/fsdp_trainer.py --model_size medium --max_steps 50
-    torchrun --nproc_per_node=4 snippets/training/fsdp_trainer.py --sharding_strategy HYBRID_SHARD \
-        --shard_group_size 2 --model_size tiny --max_steps 20
+    torchrun --nproc_per_node=2 snippets/training/fsdp_trainer.py --model-size medium --max-steps 50
+    torchrun --nproc_per_node=4 snippets/training/fsdp_trainer.py --sharding-strategy HYBRID_SHARD \
+        --shard-group-size 2 --model-size tiny --max-steps 20
 
 `FSDPTrainer` is ddp_trainer's `DistributedTrainer` with a different answer to one question: how
 is the model spread over the processes? The optimizer groups, the learning-rate schedule, the
@@ -274,7 +274,7 @@ class FSDPTrainer(DistributedTrainer):
         state = load_verified(path, map_location="cpu")
         if diff := config_diff(state["model_config"], self.config.to_dict()):
             raise CheckpointError(f"{path} holds a different model (checkpoint -> now: {diff}); "
-                                  "use the --model_size it was trained with")
+                                  "use the --model-size it was trained with")
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"],
                        options=StateDictOptions(full_state_dict=True))
@@ -334,7 +334,7 @@ class FSDPTrainer(DistributedTrainer):
         trainer = state["trainer"]
         if diff := config_diff(trainer["model_config"], self.config.to_dict()):
             raise CheckpointError(f"{directory} holds a different model (checkpoint -> now: "
-                                  f"{diff}); use the --model_size it was trained with")
+                                  f"{diff}); use the --model-size it was trained with")
         self.sampler.load_state_dict(trainer["sampler"])
         restore_rng_state(trainer["rng"])
         self.step = trainer["step"]
@@ -357,13 +357,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     fsdp = FSDPConfig()
     p = build_parser("Train a GPT sharded with FSDP2; start it with torchrun.",
                      "runs/fsdp_trainer")
-    p.add_argument("--sharding_strategy", default=fsdp.sharding_strategy,
-                   choices=list(SHARDING_STRATEGIES))
-    p.add_argument("--shard_group_size", type=int_at_least(1), default=None,
-                   help="HYBRID_SHARD: ranks per shard group (default: processes per node)")
-    p.add_argument("--mixed_precision", default=fsdp.mixed_precision, choices=MIXED_PRECISION)
-    p.add_argument("--cpu_offload", action="store_true",
-                   help="keep parameter shards, gradients and the optimizer step on the CPU")
+    p.add_flag("sharding-strategy", default=fsdp.sharding_strategy,
+               choices=list(SHARDING_STRATEGIES))
+    p.add_flag("shard-group-size", type=int_at_least(1), default=None,
+               help="HYBRID_SHARD: ranks per shard group (default: processes per node)")
+    p.add_flag("mixed-precision", default=fsdp.mixed_precision, choices=MIXED_PRECISION)
+    p.add_flag("cpu-offload", action="store_true",
+               help="keep parameter shards, gradients and the optimizer step on the CPU")
     p.add_argument("--checkpoint", default="full", choices=["full", "sharded"],
                    help="full: one file gathered on rank 0; sharded: DCP, one file per rank")
     p.set_defaults(ckpt_every=0)

@@ -50,7 +50,7 @@ def run_variant(config_path: Path, out: Path, steps: int, batch_size: int,
     """Train one config with the shared settings; summarise the run as one table row."""
     argv = ["--config", str(config_path), "--out", str(out), "--epochs", "1",
             "--steps-per-epoch", str(steps), "--batch-size", str(batch_size),
-            "--context-length", str(context_length), "--seed", str(seed),
+            "--seq-len", str(context_length), "--seed", str(seed),
             "--eval-every", str(max(1, steps // 4)), "--eval-batches", "10",
             "--ckpt-every", "0", "--keep-last", "1",
             "--device", device, "--threads", "1", "--sample-tokens", "60"]
@@ -165,9 +165,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="config JSON files; the first is the baseline "
                         "(default: snippets/models/config.json and four variants in "
                         "snippets/models/lab1/)")
-    p.add_argument("--steps", type=int_at_least(1), default=120, help="optimizer steps per config")
-    p.add_argument("--batch-size", type=int_at_least(1), default=8)
-    p.add_argument("--context-length", type=int_at_least(1), default=64)
+    p.add_flag("max-steps", "--steps", dest="steps", type=int_at_least(1), default=120,
+               help="optimizer steps per config")
+    p.add_flag("batch-size", type=int_at_least(1), default=8)
+    p.add_flag("seq-len", "--context-length", dest="context_length", type=int_at_least(1),
+               default=64)
     p.add_argument("--seed", type=int_at_least(0), default=1337)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"],
                    help="the same device for every config, so tokens/s compare")

@@ -273,7 +273,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int_at_least(1), default=3,
                    help="steps to profile (after 1 skipped and 1 warm-up step), or to log "
                         "with --throughput")
-    p.add_argument("--batch-size", type=int_at_least(1), default=8, help="sequences per step")
+    p.add_flag("batch-size", type=int_at_least(1), default=8, help="sequences per step")
     p.add_argument("--threads", type=int_at_least(0), default=1,
                    help="CPU threads for PyTorch, as in train_tiny_transformer.py; "
                         "0 = PyTorch's own choice")

@@ -280,7 +280,7 @@ def demo_resume() -> dict:
     """Train 40 steps unbroken; train again, stop at 25 (--max-steps saves a checkpoint
     there), resume from it."""
     common = ["--config", "tiny", "--device", "cpu", "--threads", "1", "--batch-size", "8",
-              "--context-length", "32", "--steps-per-epoch", "40", "--ckpt-every", "10",
+              "--seq-len", "32", "--steps-per-epoch", "40", "--ckpt-every", "10",
               "--eval-every", "0", "--sample-tokens", "8"]
 
     def losses(records) -> dict[int, float]:

@@ -85,15 +85,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "draw as many tokens as the training split holds, i.e. "
                         "train_tokens // (batch_size * context_length); every token is then "
                         "seen about once per epoch on average")
-    p.add_argument("--batch-size", type=int_at_least(1), default=16, help="sequences per step")
-    p.add_argument("--context-length", type=int_at_least(1), default=None,
-                   help="tokens per sequence (default: the config's max_position_embeddings)")
+    p.add_flag("batch-size", type=int_at_least(1), default=16, help="sequences per step")
+    p.add_flag("seq-len", "--context-length", dest="context_length", type=int_at_least(1),
+               default=None,
+               help="tokens per sequence (default: the config's max_position_embeddings)")
     p.add_argument("--lr", type=positive_float, default=5e-3, help="peak learning rate (AdamW)")
-    p.add_argument("--warmup-steps", type=int_at_least(0), default=None,
-                   help="linear warmup steps before the cosine decay (default: 10%% of all steps)")
-    p.add_argument("--weight-decay", type=float_at_least(0), default=0.1,
-                   help="AdamW weight decay on weight matrices (not on norm gains)")
-    p.add_argument("--grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
+    p.add_flag("warmup-steps", type=int_at_least(0), default=None,
+               help="linear warmup steps before the cosine decay (default: 10%% of all steps)")
+    p.add_flag("weight-decay", type=float_at_least(0), default=0.1,
+               help="AdamW weight decay on weight matrices (not on norm gains)")
+    p.add_flag("grad-clip", type=positive_float, default=1.0, help="max global gradient norm")
     p.add_argument("--seed", type=int_at_least(0), default=1337,
                    help="seeds model init, the data sampler and every RNG")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda", "mps"],
@@ -105,28 +106,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "core, or $OMP_NUM_THREADS)")
     p.add_argument("--out", default="runs/tiny",
                    help="run directory: metrics.jsonl, loss.png, checkpoints/")
-    p.add_argument("--ckpt-every", type=int_at_least(0), default=100,
-                   help="save a checkpoint every N steps (and at the end, or at --max-steps); "
-                        "0 = only there")
-    p.add_argument("--keep-last", type=int_at_least(1), default=3,
-                   help="checkpoints of this run to keep (earlier runs' are never deleted)")
+    p.add_flag("ckpt-every", type=int_at_least(0), default=100,
+               help="save a checkpoint every N steps (and at the end, or at --max-steps); "
+                    "0 = only there")
+    p.add_flag("keep-last", type=int_at_least(1), default=3,
+               help="checkpoints of this run to keep (earlier runs' are never deleted)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest good checkpoint in --out")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the run in --out, if it has the same model config: delete "
                         "its checkpoints, metrics and plot (only files this script writes) "
                         "and start again")
-    p.add_argument("--eval-every", type=int_at_least(0), default=50,
-                   help="validate every N steps (and at the end); 0 = only at the end")
+    p.add_flag("eval-every", type=int_at_least(0), default=50,
+               help="validate every N steps (and at the end); 0 = only at the end")
     p.add_argument("--eval-batches", type=int_at_least(1), default=20,
                    help="max validation batches per evaluation")
     p.add_argument("--val-fraction", type=fraction, default=0.1,
                    help="the last fraction of the text held out for validation")
-    p.add_argument("--max-steps", type=int_at_least(1), default=None,
-                   help="stop after this global step and save a checkpoint there (no final "
-                        "evaluation or sample), so --resume continues from exactly that step")
-    p.add_argument("--log-every", type=int_at_least(1), default=20,
-                   help="print a log line every N steps")
+    p.add_flag("max-steps", type=int_at_least(1), default=None,
+               help="stop after this global step and save a checkpoint there (no final "
+                    "evaluation or sample), so --resume continues from exactly that step")
+    p.add_flag("log-every", type=int_at_least(1), default=20,
+               help="print a log line every N steps")
     p.add_argument("--sample-tokens", type=int_at_least(0), default=120,
                    help="length of the greedy text sample printed at the end")
     p.add_argument("--tensorboard", action="store_true",
@@ -324,7 +325,7 @@ def _train(args: argparse.Namespace) -> list[dict]:
     config = get_config(args.config)
     context_length = args.context_length or config.max_position_embeddings
     if context_length > config.max_position_embeddings:
-        raise ConfigError(f"--context-length {context_length} exceeds the config's "
+        raise ConfigError(f"--seq-len {context_length} exceeds the config's "
                           f"max_position_embeddings={config.max_position_embeddings}")
     out = Path(args.out)
     seed_everything(args.seed)

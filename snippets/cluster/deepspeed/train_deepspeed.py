@@ -162,8 +162,9 @@ def prebuild_ops() -> str:
 def parse_args(argv=None):
     p = Parser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--config", default="zero2", help=f"{', '.join(STAGES)} or a JSON path")
-    p.add_argument("--steps", type=int_at_least(1), default=5)
-    p.add_argument("--context", type=int_at_least(1), default=32, help="tokens per sequence")
+    p.add_flag("max-steps", "--steps", dest="steps", type=int_at_least(1), default=5)
+    p.add_flag("seq-len", "--context", dest="context", type=int_at_least(1), default=32,
+               help="tokens per sequence")
     p.add_argument("--save-dir", default=None, help="write a ZeRO checkpoint here at the end")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the checkpoint an earlier run of as many steps left in SAVE_DIR")

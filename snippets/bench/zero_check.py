@@ -1,10 +1,12 @@
-"""Watch ZeRO 1, 2 and 3 from scratch train the tiny GPT on 2 processes:
+"""Watch ZeRO 1, 2 and 3 from scratch (snippets/scratch/zero.py) train the tiny GPT on 2 processes:
 
-    python -m snippets.scratch.zero_check
+    python -m snippets.bench.zero_check
 
 For each stage: is the trained model the one a single process trains on the same global batches,
 how many bytes of model state each rank holds (measured, beside the paper's formula), and how many
-bytes each rank sent in one step (counted, beside the ring formula).
+bytes each rank sent in one step (counted, beside the ring formula). It lives in bench/, not
+beside zero.py, because the formulas it prints (zero_accounting.py) come from the planner's
+bytes per parameter, and snippets/scratch/ imports only scratch, models, data, dist and flags.
 """
 
 import torch

@@ -1,0 +1,141 @@
+"""The parallel trainer (snippets/training/parallel_trainer.py) against one process.
+
+Each layout trains the tiny GPT for a few steps and is compared with DistributedTrainer in this
+process on the same global batches. The comparison uses SGD with momentum, not AdamW: Adam
+divides by sqrt(v), so a gradient that cancels to about zero can flip its sign when the same
+numbers are added in another order, and that weight then moves by 2 lr either way, which no
+rounding bound covers. SGD moves a weight by lr times its gradient, so a rounding error in the
+gradient stays a rounding error in the weight (three_d_check.tolerance derives the bound).
+AdamW is what the trainer runs; with it the tests check what holds exactly: a resume equals
+the unbroken run bit for bit, and a checkpoint saved at one layout loads at another.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from snippets.dist import DEFAULT_TIMEOUT_S, spawn
+from snippets.models.gpt import ConfigError, get_config
+from snippets.scratch.parallelize import Layout
+from snippets.scratch.three_d_check import tolerance
+from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig
+
+STEPS, MICRO_BATCH, MICRO_BATCHES, SEQ = 3, 2, 2, 16
+CONFIG = get_config("tiny", num_hidden_layers=4, max_position_embeddings=SEQ)
+
+
+def settings(batch_size: int = MICRO_BATCH, **overrides) -> TrainConfig:
+    # grad_clip 0.5 is below the tiny GPT's gradient norm (about 2 at the start), so every
+    # step clips: the global norm itself is compared, not only the gradients.
+    base = dict(batch_size=batch_size, grad_accum_steps=MICRO_BATCHES, seq_len=SEQ,
+                max_steps=20, lr=0.5, warmup_steps=0, grad_clip=0.5, seed=3, data="dummy")
+    return TrainConfig(**{**base, **overrides})
+
+
+def use_sgd(trainer) -> None:
+    trainer.optimizer = torch.optim.SGD(trainer.raw_model.parameters(), lr=0.5, momentum=0.9)
+
+
+def one_process(dp: int) -> tuple[dict, list, float]:
+    """DistributedTrainer in this process on the whole global batch (dp replicas' rows)."""
+    trainer = DistributedTrainer(CONFIG, settings(MICRO_BATCH * dp))
+    trainer.log = lambda message: None
+    init = {k: v.clone() for k, v in trainer.raw_model.state_dict().items()}
+    use_sgd(trainer)
+    batches = trainer.micro_batches()
+    losses = [trainer.train_step(batches)["loss"] for _ in range(STEPS)]
+    state = trainer.raw_model.state_dict()
+    moved = max((state[k] - init[k]).abs().max().item() for k in state)
+    return state, losses, moved
+
+
+# --8<-- [start:worker]
+def train_layout(layout: Layout, plant: str | None = None) -> dict:
+    """Train STEPS steps at `layout` with SGD; rank 0 returns the gathered full state."""
+    from snippets.training import parallel_trainer as pt
+
+    trainer = pt.ParallelTrainer(CONFIG, settings(), layout)
+    trainer.log = lambda message: None
+    use_sgd(trainer)
+    if plant == "sync over the stage":  # every rank of the stage: DP x TP, not DP
+        mesh = layout.mesh()
+        for p in range(layout.pp):
+            ranks = [r for r in range(mesh.size) if mesh.coords(r)["pp"] == p]
+            group = dist.new_group(ranks, timeout=timedelta(seconds=DEFAULT_TIMEOUT_S))
+            if trainer.rank in ranks:
+                trainer.grad_groups = [group]
+    elif plant == "no CP reduction":
+        trainer.grad_groups = [trainer.groups["dp"]]
+    elif plant == "norm counts copies":  # every rank adds every gradient it holds
+        trainer.clip_gradients = lambda: replace_norm(trainer)
+    batches = trainer.micro_batches()
+    losses = [trainer.train_step(batches)["loss"] for _ in range(STEPS)]
+    full = trainer.full_state()
+    return {"losses": losses, "state": None if full is None else full["param"]}
+# --8<-- [end:worker]
+
+
+def replace_norm(trainer) -> float:
+    from snippets.training import parallel_trainer as pt
+
+    original = pt.counted_in_norm
+    pt.counted_in_norm = lambda *args: True
+    try:
+        return pt.ParallelTrainer.clip_gradients(trainer)
+    finally:
+        pt.counted_in_norm = original
+
+
+def layouts_worker(rank: int, world_size: int, runs: list) -> list:
+    return [train_layout(layout, plant) for layout, plant in runs]
+
+
+def worst_difference(result: dict, reference: dict) -> float:
+    return max((result["state"][k] - reference[k]).abs().max().item() for k in reference)
+
+
+def check_runs(world_size: int, runs: list) -> list[tuple]:
+    """(layout, plant, worst weight difference, bound, loss differences within bound)."""
+    out = spawn(layouts_worker, world_size, runs, timeout_s=120)[0]
+    rows = []
+    for (layout, plant), result in zip(runs, out):
+        reference, ref_losses, moved = one_process(layout.dp)
+        bound = tolerance(CONFIG, MICRO_BATCH * layout.dp * MICRO_BATCHES, SEQ, moved)
+        losses_ok = all(abs(a - b) < tolerance(CONFIG, MICRO_BATCH * layout.dp * MICRO_BATCHES,
+                                               SEQ, b)
+                        for a, b in zip(result["losses"], ref_losses))
+        rows.append((layout, plant, worst_difference(result, reference), bound, losses_ok))
+    return rows
+
+
+# --8<-- [start:equals-one-process]
+def test_eight_processes_dp_tp_pp_with_and_without_sp_equal_one_process():
+    runs = [(Layout(dp=2, tp=2, pp=2), None),
+            (Layout(dp=2, tp=2, pp=2, sp=True), None),
+            (Layout(dp=2, tp=2, pp=2), "sync over the stage"),
+            (Layout(dp=2, tp=2, pp=2), "norm counts copies")]
+    rows = check_runs(8, runs)
+    for layout, plant, worst, bound, losses_ok in rows[:2]:
+        assert worst < bound and losses_ok, (layout, worst, bound)
+    for layout, plant, worst, bound, _ in rows[2:]:  # each planted mistake is caught
+        assert worst > 100 * bound, (plant, worst, bound)
+
+
+def test_four_processes_dp_cp_and_interleaved_equal_one_process():
+    runs = [(Layout(dp=2, cp=2), None),
+            (Layout(dp=2, pp=2, virtual_stages=2), None),
+            (Layout(cp=2, tp=2, sp=True), None),
+            (Layout(dp=2, cp=2), "no CP reduction")]
+    rows = check_runs(4, runs)
+    for layout, plant, worst, bound, losses_ok in rows[:3]:
+        assert worst < bound and losses_ok, (layout, worst, bound)
+    layout, plant, worst, bound, _ = rows[3]
+    assert worst > 100 * bound, (plant, worst, bound)
+# --8<-- [end:equals-one-process]
