@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 
 
@@ -74,6 +75,16 @@ def write_torchrun_error_file(line: str) -> None:
         json.dump(error, f)
     os.replace(f"{path}.partial", path)
 # --8<-- [end:parser]
+
+
+def error_exit(err: Exception | str) -> int:
+    """A trainer's input error after parsing (a layout that does not fit the world, a run
+    that exists): one line on stderr, and under torchrun the same line at the end of its
+    summary. Returns the exit status, 2, as argparse's own errors."""
+    line = f"error: {err}"
+    print(line, file=sys.stderr, flush=True)
+    write_torchrun_error_file(line)
+    return 2
 
 
 def checked(convert, ok, wanted: str):

@@ -1376,9 +1376,10 @@ GROUPS_3D_WRONG = {
         "        for ranks in (stages if axis == \"dp\" else mesh.groups(axis)):\n")),
         "averaging over the stage group (DP x TP): rank 0's DP group is [0, 1, 4, 5]"),
     "3d-tp-outermost": (26, "mesh", edited(MESH, (
-        "        return [[self.rank(**{axis: i, others[0]: a, others[1]: b})",
+        "        return [[self.rank(**{axis: i}, **dict(zip(others, fixed)))",
+        "        from dataclasses import replace\n"
         "        return [[replace(self, order=self.order[::-1]).rank(\n"
-        "                     **{axis: i, others[0]: a, others[1]: b})")),
+        "                     **{axis: i}, **dict(zip(others, fixed)))")),
         "your groups lay the ranks out with TP outermost: consecutive ranks (one node) land in "
         "other TP groups"),
 }
@@ -1447,7 +1448,7 @@ MESH_OWN_GROUPS_ONLY = edited(MESH, (
     "                mine[axis] = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))\n"))
 # Rank 0 alone creates the groups: it waits in new_group for peers that never come.
 MESH_RANK_0_ONLY = edited(MESH, (
-    "    for axis in (\"tp\", \"pp\", \"dp\"):\n",
+    "    for axis in [a for a in (\"tp\", \"cp\", \"pp\", \"dp\") if a in mesh.order]:\n",
     "    for axis in ((\"tp\", \"pp\", \"dp\") if rank == 0 else ()):  # set up once, on rank 0\n"))
 
 

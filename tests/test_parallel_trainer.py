@@ -139,3 +139,102 @@ def test_four_processes_dp_cp_and_interleaved_equal_one_process():
     layout, plant, worst, bound, _ = rows[3]
     assert worst > 100 * bound, (plant, worst, bound)
 # --8<-- [end:equals-one-process]
+
+
+# --8<-- [start:checkpoints]
+def make_trainer(layout: Layout):
+    from snippets.training.parallel_trainer import ParallelTrainer
+
+    trainer = ParallelTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2), layout)  # AdamW
+    trainer.log = lambda message: None
+    return trainer
+
+
+def run_steps(trainer, steps: int) -> None:
+    batches = trainer.micro_batches()
+    for _ in range(steps):
+        trainer.train_step(batches)
+
+
+def checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
+    """An unbroken run; the same run stopped, saved and resumed in a fresh trainer; and the
+    saved file loaded at two other layouts, then gathered again."""
+    saved_at, others = Layout(dp=2, tp=2, pp=2), [Layout(pp=2, cp=2, tp=2, sp=True),
+                                                  Layout(dp=4, pp=2)]
+    unbroken = make_trainer(saved_at)
+    run_steps(unbroken, 4)
+    first = make_trainer(saved_at)
+    run_steps(first, 2)
+    path = os.path.join(directory, "step2.pt")
+    first.save_checkpoint_once(path)
+    resumed = make_trainer(saved_at)
+    resumed.load_checkpoint(path)
+    run_steps(resumed, 2)
+    result = {"unbroken": unbroken.full_state(), "resumed": resumed.full_state(), "loaded": []}
+    for layout in others:
+        trainer = make_trainer(layout)
+        trainer.load_checkpoint(path)
+        result["loaded"].append(trainer.full_state())
+    return result
+
+
+def test_resume_is_bit_exact_and_a_checkpoint_loads_at_another_layout(tmp_path):
+    from snippets.training.checkpoint import load_checkpoint
+
+    result = spawn(checkpoint_worker, 8, str(tmp_path), timeout_s=120)[0]
+    unbroken, resumed = result["unbroken"], result["resumed"]
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert unbroken[key].keys() == resumed[key].keys()
+        for name, tensor in unbroken[key].items():
+            assert torch.equal(tensor, resumed[key][name]), (key, name)
+    saved = load_checkpoint(tmp_path / "step2.pt")
+    assert saved["model"].keys() == get_model_keys()
+    for loaded in result["loaded"]:  # sliced for the new layout, gathered back: the same bits
+        assert all(torch.equal(loaded["param"][k], v) for k, v in saved["model"].items())
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert all(torch.equal(loaded[key][k], v)
+                       for k, v in saved["optimizer"][key].items())
+        assert torch.equal(loaded["adam_step"], saved["optimizer"]["step"])
+
+
+def get_model_keys() -> set:
+    from snippets.models.gpt import GPT
+
+    return set(GPT(CONFIG).state_dict())
+# --8<-- [end:checkpoints]
+
+
+def torchrun(tmp_path, *args, nproc: int = 2) -> subprocess.CompletedProcess:
+    from snippets.ports import free_port
+
+    return subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+         f"--master_port={free_port()}", "snippets/training/parallel_trainer.py",
+         "--model-size", "tiny", "--data", "dummy", "--max-steps", "2", "--seq-len", "16",
+         "--out", str(tmp_path / "run"), *args],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=300)
+
+
+def last_line(result: subprocess.CompletedProcess) -> str:
+    return [line for line in result.stderr.splitlines() if line.strip(" =")][-1]
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--tp", "4"], "error: dp*pp*cp*tp = 1*1*1*4 = 4 but 2 processes were started: start 4 "
+                    "(--nproc_per_node) or change the sizes"),
+    (["--cp", "0"], "argument --cp: must be a whole number >= 1, got 0"),
+    (["--sp"], "error: --sp splits the sequence inside the tensor-parallel group: it needs "
+               "--tp 2 or more"),
+    (["--pp", "2", "--virtual-stages", "2"],
+     "error: num_hidden_layers=2 does not divide into pp*virtual_stages = 4 chunks: choose "
+     "sizes whose product divides the layer count"),
+])
+def test_a_bad_layout_is_one_line_last_on_screen_under_torchrun(tmp_path, flags, message):
+    result = torchrun(tmp_path, *flags)
+    assert result.returncode != 0
+    # torchrun's own ChildFailedError traceback, and no worker's
+    assert result.stderr.count("Traceback (most recent call last)") <= 1, result.stderr[-3000:]
+    assert last_line(result).endswith(message), result.stderr[-3000:]
+    assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt-*"))

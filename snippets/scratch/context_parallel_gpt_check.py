@@ -8,85 +8,40 @@ only, not over DP x CP), to show that the comparison catches it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from datetime import timedelta
-
 import torch
-import torch.distributed as dist
 
-from snippets.dist import DEFAULT_TIMEOUT_S, spawn
+from snippets.dist import spawn
 from snippets.models.gpt import GPT, GPTConfig, get_config, shift_for_next_token
 from snippets.scratch.context_parallel import ring_bytes_per_rank
 from snippets.scratch.context_parallel_gpt import apply_context_parallel, shard_batch
 from snippets.scratch.ddp import make_buckets
+from snippets.scratch.parallelize import Layout, gradient_groups, shard_dims
 from snippets.scratch.reference import SGD, single_process, token_batches
-from snippets.scratch.tensor_parallel import (ColumnParallelLinear, RowParallelLinear,
-                                              apply_tensor_parallel)
+from snippets.scratch.tensor_parallel import apply_tensor_parallel
+from snippets.scratch.three_d import average_gradients, build_groups
 
 STEPS, BATCH, SEQ = 3, 4, 32
 
 
 # --8<-- [start:layout]
-@dataclass(frozen=True)
-class Layout:
-    """dp * cp * tp ranks, rank = (d * cp + c) * tp + t: TP innermost, as in three_d.Mesh."""
-
-    dp: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.dp * self.cp * self.tp
-
-    def coords(self, rank: int) -> dict:
-        rest, t = divmod(rank, self.tp)
-        d, c = divmod(rest, self.cp)
-        return {"dp": d, "cp": c, "tp": t}
-
-    def rank(self, dp: int, cp: int, tp: int) -> int:
-        return (dp * self.cp + cp) * self.tp + tp
-
-
-def build_groups(layout: Layout, timeout_s: float = DEFAULT_TIMEOUT_S) -> dict:
-    """This rank's groups: "tp", "cp", "dp", and "dp_cp", the ranks that hold the same weights
-    (the same TP shard) and see different tokens, over which the gradients are averaged.
-    Every rank creates every group, in the same order (new_group is a collective)."""
-    mine = {}
-    for name, axes in (("tp", {"tp"}), ("cp", {"cp"}), ("dp", {"dp"}), ("dp_cp", {"dp", "cp"})):
-        members = {}  # the other coordinates -> ranks that share them
-        for r in range(layout.size):
-            others = tuple(v for axis, v in layout.coords(r).items() if axis not in axes)
-            members.setdefault(others, []).append(r)
-        for ranks in members.values():
-            group = dist.new_group(ranks, timeout=timedelta(seconds=timeout_s))
-            if dist.get_rank() in ranks:
-                mine[name] = group
-    return mine
+def grad_groups(layout: Layout, groups: dict, grad_sync: str) -> list:
+    """The groups a gradient is averaged over, one after the other. Right ("dp_cp"): DP and
+    CP, parallelize.gradient_groups; a mean over DP then over CP is the mean over their
+    product. The mistake ("dp"): DP only, as if the CP ranks had seen the same tokens."""
+    if grad_sync not in ("dp_cp", "dp"):
+        raise ValueError(f"grad_sync={grad_sync!r}: use 'dp_cp' (right) or 'dp' (the mistake)")
+    return gradient_groups(layout, groups) if grad_sync == "dp_cp" else [groups["dp"]]
 # --8<-- [end:layout]
 
 
 # --8<-- [start:train]
-def average_gradients(buckets: list, group) -> None:
-    """The mean of every gradient over `group`: ddp.py's buckets, all-reduced over a group."""
-    size = dist.get_world_size(group)
-    for bucket in buckets:
-        bucket.pack()
-        dist.all_reduce(bucket.buffer, group=group)
-        bucket.unpack(1 / size)
-
-
 def train_cp(rank: int, world_size: int, layout: Layout, steps: int, batch_size: int,
              seq_len: int, grad_sync: str = "dp_cp", tp_after_cp: bool = False) -> dict:
     """reference.single_process's training (tiny GPT, SGD with momentum, the same batches) on
-    the layout: each DP replica takes its 1/dp of the batch, each CP rank T/cp of its tokens.
-
-    grad_sync="dp" is the classic mistake, kept to show that the comparison catches it:
-    average over the DP ranks only, as if CP ranks did not see different tokens.
-    """
-    if grad_sync not in ("dp_cp", "dp"):
-        raise ValueError(f"grad_sync={grad_sync!r}: use 'dp_cp' (right) or 'dp' (the mistake)")
-    groups, c = build_groups(layout), layout.coords(rank)
+    the layout (three_d's Mesh, with a cp axis and no pipeline): each DP replica takes its 1/dp
+    of the batch, each CP rank T/cp of its tokens."""
+    mesh = layout.mesh()
+    groups, c = build_groups(mesh), mesh.coords(rank)
     torch.manual_seed(0)  # the same initial weights as single_process
     model = GPT(get_config("tiny"))
     if layout.tp > 1 and not tp_after_cp:
@@ -101,14 +56,12 @@ def train_cp(rank: int, world_size: int, layout: Layout, steps: int, batch_size:
         inputs, targets = shift_for_next_token(tokens.chunk(layout.dp)[c["dp"]])
         _, loss = model(*shard_batch(inputs, targets, c["cp"], layout.cp))
         loss.backward()  # the mean over this rank's tokens: an equal share of the batch's
-        average_gradients(buckets, groups[grad_sync])
+        for group in grad_groups(layout, groups, grad_sync):
+            average_gradients(buckets, group)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    shard_dims = {f"{name}.weight": 0 if isinstance(m, ColumnParallelLinear) else 1
-                  for name, m in model.named_modules()
-                  if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
-    return {"coords": c, "losses": losses, "shard_dims": shard_dims,
+    return {"coords": c, "losses": losses, "shard_dims": shard_dims({0: model}),
             "sent": {phase: sent // steps for phase, sent in ring.bytes_sent.items()},
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 # --8<-- [end:train]
@@ -117,7 +70,7 @@ def train_cp(rank: int, world_size: int, layout: Layout, steps: int, batch_size:
 # --8<-- [start:compare]
 def full_state(results: list[dict], layout: Layout, d: int, c: int) -> dict:
     """Replica (d, c)'s weights in one model's layout: its TP shards put back together."""
-    shards = [results[layout.rank(d, c, t)] for t in range(layout.tp)]
+    shards = [results[layout.mesh().rank(dp=d, pp=0, cp=c, tp=t)] for t in range(layout.tp)]
     return {name: first if (dim := shards[0]["shard_dims"].get(name)) is None
             else torch.cat([s["state"][name] for s in shards], dim)
             for name, first in shards[0]["state"].items()}
@@ -130,7 +83,7 @@ def compare(results: list[dict], layout: Layout, reference: dict, ref_losses: li
     replicas = [full_state(results, layout, d, c)
                 for d in range(layout.dp) for c in range(layout.cp)]
     worst = max((r[k] - reference[k]).abs().max().item() for r in replicas for k in reference)
-    losses = [sum(results[layout.rank(d, c, 0)]["losses"][s]
+    losses = [sum(results[layout.mesh().rank(dp=d, pp=0, cp=c, tp=0)]["losses"][s]
                   for d in range(layout.dp) for c in range(layout.cp)) / (layout.dp * layout.cp)
               for s in range(len(ref_losses))]
     same = all(torch.equal(r[k], replicas[0][k]) for r in replicas for k in reference)

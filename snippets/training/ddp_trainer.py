@@ -51,7 +51,7 @@ from snippets.training.checkpoint import (
 )
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
-from snippets.flags import Parser, float_at_least, int_at_least, positive_float
+from snippets.flags import Parser, error_exit, float_at_least, int_at_least, positive_float
 
 
 # --8<-- [start:train-config]
@@ -503,8 +503,7 @@ def main(argv: list[str] | None = None) -> int:
         # DDP seam: under torchrun each process then takes cuda:LOCAL_RANK (see __init__).
         device, device_note = pick_trainer_device(args.device)
     except (ValueError, RuntimeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return error_exit(err)
     # Step-numbered files, a `latest` pointer, the newest keep_last of this run's (checkpoint.py).
     manager = CheckpointManager(args.out, keep_last=args.keep_last)
     try:
@@ -512,8 +511,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = DistributedTrainer(get_config(args.model_size), train_config, device)
         resume_or_start(trainer, manager, args, load=trainer.load_checkpoint)
     except (ConfigError, DataError, CheckpointError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return error_exit(err)
 
     tc = trainer.train_config
     if device_note:

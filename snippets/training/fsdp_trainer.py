@@ -56,7 +56,7 @@ from snippets.training.checkpoint import save_checkpoint as save_atomic
 from snippets.training.ddp_trainer import (DistributedTrainer, TrainConfig, build_parser,
                                           check_args, pick_trainer_device, resume_or_start,
                                           save_step, train, train_config_from_args)
-from snippets.flags import int_at_least
+from snippets.flags import error_exit, int_at_least
 
 # --8<-- [start:fsdp-config]
 SHARDING_STRATEGIES = {
@@ -387,8 +387,7 @@ def main(argv: list[str] | None = None) -> int:
         load = trainer.load_sharded_checkpoint if sharded else trainer.load_checkpoint
         resume_or_start(trainer, manager, args, load)
     except (ConfigError, DataError, CheckpointError, DeviceError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return error_exit(err)
 
     def save():
         if not sharded:

@@ -21,6 +21,7 @@ overwrite). This file overrides the seams where a layout differs:
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import sys
@@ -35,7 +36,7 @@ from torch import nn
 from snippets.data.corpus import DataError
 from snippets.dist import run_main
 from snippets.machine import DeviceError
-from snippets.flags import int_at_least
+from snippets.flags import error_exit, int_at_least
 from snippets.models.gpt import ConfigError, get_config, shift_for_next_token
 from snippets.scratch.ddp import make_buckets
 from snippets.scratch.parallelize import (Layout, counted_in_norm, gradient_groups,
@@ -60,6 +61,7 @@ class ParallelTrainer(DistributedTrainer):
     def __init__(self, model_config, train_config: TrainConfig, layout: Layout,
                  device: str | torch.device = "cpu"):
         self.layout = layout  # read by _wrap_model, which the base __init__ calls
+        self.rank_log = None  # a file for this rank's per-step records (main sets it)
         seq_len = train_config.seq_len or model_config.max_position_embeddings
         layout.check(model_config, seq_len, int(os.environ.get("WORLD_SIZE", 1)))
         super().__init__(model_config, train_config, device)
@@ -219,18 +221,35 @@ class ParallelTrainer(DistributedTrainer):
         return part.to(self.device)
     # --8<-- [end:checkpoint]
 
-    # --8<-- [start:memory]
-    def memory_per_rank(self) -> list[float]:
-        """Every rank's peak memory in MiB: allocated on a GPU, resident on the CPU."""
+    # --8<-- [start:logs]
+    def train_step(self, batch_iter) -> dict:
+        """DistributedTrainer.train_step, and this rank's line in its own log: the step's time,
+        its peak memory and what its stage did when (the pipeline's F and B, in seconds from
+        the step's start; perf_counter is one clock for every process on a machine)."""
+        start = time.perf_counter()
+        stats = super().train_step(batch_iter)
+        if self.rank_log is not None:
+            record = {"step": self.step, "loss": stats["loss"], "coords": self.coords,
+                      "seconds": time.perf_counter() - start, "start": start,
+                      "peak_mib": round(self.peak_memory_mib(), 1),
+                      "events": [(kind, micro, t0 - start, t1 - start)
+                                 for kind, micro, t0, t1 in self.trace.events]}
+            with open(self.rank_log, "a") as f:  # appended: a resumed run adds its steps
+                f.write(json.dumps(record) + "\n")
+        return stats
+
+    def peak_memory_mib(self) -> float:
+        """This rank's peak memory: allocated on a GPU, resident on the CPU."""
         if self.device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(self.device) / 2**20
-        else:  # ru_maxrss is in KiB on Linux, bytes on macOS
-            rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            peak = rss / (2**20 if sys.platform == "darwin" else 2**10)
+            return torch.cuda.max_memory_allocated(self.device) / 2**20
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, B on macOS
+        return rss / (2**20 if sys.platform == "darwin" else 2**10)
+
+    def memory_per_rank(self) -> list[float]:
         every = [None] * self.world_size
-        dist.all_gather_object(every, round(peak, 1))
+        dist.all_gather_object(every, round(self.peak_memory_mib(), 1))
         return every
-    # --8<-- [end:memory]
+    # --8<-- [end:logs]
 
 
 def parse_args(argv: list[str] | None = None):
@@ -258,9 +277,11 @@ def main(argv: list[str] | None = None) -> int:
                                   layout, device)
         resume_or_start(trainer, manager, args, load=trainer.load_checkpoint)
     except (ConfigError, DataError, CheckpointError, DeviceError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return error_exit(err)
     tc, c = trainer.train_config, trainer.coords
+    logs = Path(args.out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    trainer.rank_log = logs / f"rank-{trainer.rank}.jsonl"
     if device_note:
         trainer.log(device_note)
     print(f"rank {trainer.rank}: dp {c['dp']} pp {c['pp']} cp {c['cp']} tp {c['tp']} | "
@@ -272,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"micro-batches of {tc.batch_size} per replica)")
     status = train(trainer, args, save=lambda: save_step(trainer, manager))
     memory = trainer.memory_per_rank()
-    trainer.log(f"peak memory per rank (MiB): {memory}")
+    trainer.log(f"peak memory per rank (MiB): {memory} | per-rank logs in {logs}")
     return status
 # --8<-- [end:main]
 
