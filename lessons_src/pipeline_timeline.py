@@ -39,7 +39,8 @@ import matplotlib.pyplot as plt
 from matplotlib.patches import Patch
 
 from snippets.dist import spawn
-from snippets.scratch.pipeline import single_process, train_pipeline
+from snippets.scratch.pipeline_check import train_pipeline
+from snippets.scratch.reference import single_process
 from snippets.scratch.pipeline_trace import measured_bubble, theoretical_bubble
 
 STAGES, MICRO_BATCHES, STEPS, BATCH, SEQ = 2, 4, 3, 8, 64

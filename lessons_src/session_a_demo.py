@@ -109,7 +109,7 @@ print(f"loss {loss:.4f}, ln(256) = {math.log(256):.4f}")
 
 # %%
 COMMON = ["--epochs", "1", "--steps-per-epoch", "160", "--batch-size", "16",
-          "--context-length", "64", "--eval-every", "40", "--eval-batches", "10",
+          "--seq-len", "64", "--eval-every", "40", "--eval-batches", "10",
           "--ckpt-every", "40", "--keep-last", "5", "--log-every", "40", "--sample-tokens", "60",
           "--device", "cpu", "--threads", "1"]
 unbroken = train(parse_args(COMMON + ["--out", "unbroken"]))

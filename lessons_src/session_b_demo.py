@@ -46,7 +46,7 @@
 # ## Start four workers
 #
 # The command a reader types is
-# `torchrun --nproc_per_node=4 snippets/training/ddp_simulation_train.py --steps 10`.
+# `torchrun --nproc_per_node=4 snippets/training/ddp_simulation_train.py --max-steps 10`.
 # Here it runs through `python -m torch.distributed.run` (which is what the `torchrun` command
 # is) with the logs and the checkpoint in a scratch folder, and one thread per process:
 # four processes on a two-core machine gain nothing from more.
@@ -84,7 +84,7 @@ def torchrun(nproc: int, run_name: str, *script_args: str) -> Path:
     return log_dir
 
 
-logs = torchrun(4, "sync", "--steps", "10")
+logs = torchrun(4, "sync", "--max-steps", "10")
 
 # %% [markdown]
 # Only rank 0 printed to the terminal: four processes printing the same progress would
@@ -249,7 +249,7 @@ print(f"job total: about {sum(s[len(s) // 2] for s in speeds.values()):,} tokens
 # optimizer step, but never averages gradients. Two ranks, five steps:
 
 # %%
-unsynced = read_steps(torchrun(2, "no-sync", "--steps", "5", "--no-sync"))
+unsynced = read_steps(torchrun(2, "no-sync", "--max-steps", "5", "--no-sync"))
 
 # %%
 def spread(run: dict) -> list:

@@ -79,7 +79,7 @@ def checked_output(command: str) -> str:
 
 
 def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data():
-    out = checked_output("snippets/training/accelerate_train.py --cpu --steps 5 --overwrite\n")
+    out = checked_output("snippets/training/accelerate_train.py --cpu --max-steps 5 --overwrite\n")
     assert processes(out) == [("0", 0, 2, True), ("1", 1, 2, False)]
     assert "MULTI_CPU: 2 processes, backend gloo" in out
     assert "model -> DistributedDataParallel" in out
@@ -98,7 +98,7 @@ def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_dat
 def test_accelerate_use_cpu_env_and_torchrun_are_the_same_fix_as_cpu_true():
     out = checked_output("ACCELERATE_USE_CPU=1 accelerate launch")
     assert out.count("MULTI_CPU: 2 processes, backend gloo") == 2
-    first_run = final_checksums(checked_output("--cpu --steps 5 --overwrite\n"))[0]
+    first_run = final_checksums(checked_output("--cpu --max-steps 5 --overwrite\n"))[0]
     assert final_checksums(out) == [first_run] * 4  # both launches, both processes
     # ... and the weights they saved are the first run's, compared byte for byte in the run:
     for run in ("env-var", "torchrun"):
@@ -135,7 +135,7 @@ def test_the_trap_trains_two_copies_of_a_one_process_run():
     assert single == copy0 == copy1 == counted
     assert "\n      3 final checksum " in out  # the run's own count: one checksum, three runs
     # 322.24 against 318.49: far apart, beyond either block's band
-    assert single != final_checksums(checked_output("--cpu --steps 5 --overwrite\n"))[0]
+    assert single != final_checksums(checked_output("--cpu --max-steps 5 --overwrite\n"))[0]
 
 
 def test_a_multi_cpu_config_file_also_starts_a_single_process(tmp_path):
@@ -179,7 +179,8 @@ def test_overwrite_removes_only_the_files_save_state_writes(tmp_path):
     check_state_dir(str(tmp_path / "new"), overwrite=False)  # a folder not there yet is fine
 
 
-@pytest.mark.parametrize("flag, value", [("--steps", "0"), ("--batch-size", "-1"), ("--lr", "0")])
+@pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--batch-size", "-1"),
+                                         ("--lr", "0")])
 def test_bad_numbers_are_refused_in_one_line_naming_the_flag(capsys, flag, value):
     from snippets.training.accelerate_train import parse_args
 

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.kernel_independent("command-line parsing: flag names, v
 TRAINERS = [
     "snippets.training.ddp_trainer",
     "snippets.training.fsdp_trainer",
+    "snippets.training.parallel_trainer",
     "snippets.training.train_tiny_transformer",
     "snippets.training.ddp_simulation_train",
     "snippets.training.accelerate_train",

@@ -157,8 +157,8 @@ def run_steps(trainer, steps: int) -> None:
 
 
 def checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
-    """An unbroken run; the same run stopped, saved and resumed in a fresh trainer; and the
-    saved file loaded at two other layouts, then gathered again."""
+    """An unbroken run; the same run stopped, saved and resumed in a fresh trainer; the saved
+    file loaded at two other layouts; and a one-process DistributedTrainer's file loaded."""
     saved_at, others = Layout(dp=2, tp=2, pp=2), [Layout(pp=2, cp=2, tp=2, sp=True),
                                                   Layout(dp=4, pp=2)]
     unbroken = make_trainer(saved_at)
@@ -175,32 +175,44 @@ def checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
         trainer = make_trainer(layout)
         trainer.load_checkpoint(path)
         result["loaded"].append(trainer.full_state())
+    from_one_process = make_trainer(saved_at)
+    from_one_process.load_checkpoint(os.path.join(directory, "one-process.pt"))
+    result["from_one_process"] = from_one_process.full_state()
     return result
 
 
-def test_resume_is_bit_exact_and_a_checkpoint_loads_at_another_layout(tmp_path):
-    from snippets.training.checkpoint import load_checkpoint
-
-    result = spawn(checkpoint_worker, 8, str(tmp_path), timeout_s=120)[0]
-    unbroken, resumed = result["unbroken"], result["resumed"]
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        assert unbroken[key].keys() == resumed[key].keys()
-        for name, tensor in unbroken[key].items():
-            assert torch.equal(tensor, resumed[key][name]), (key, name)
-    saved = load_checkpoint(tmp_path / "step2.pt")
-    assert saved["model"].keys() == get_model_keys()
-    for loaded in result["loaded"]:  # sliced for the new layout, gathered back: the same bits
-        assert all(torch.equal(loaded["param"][k], v) for k, v in saved["model"].items())
+def one_process_state(trainer) -> dict:
+    """A DistributedTrainer's weights and AdamW moments, by parameter name."""
+    named = dict(trainer.raw_model.named_parameters())
+    state = {"param": trainer.raw_model.state_dict(), "exp_avg": {}, "exp_avg_sq": {}}
+    for name, param in named.items():
         for key in ("exp_avg", "exp_avg_sq"):
-            assert all(torch.equal(loaded[key][k], v)
-                       for k, v in saved["optimizer"][key].items())
-        assert torch.equal(loaded["adam_step"], saved["optimizer"]["step"])
+            state[key][name] = trainer.optimizer.state[param][key]
+    return state
 
 
-def get_model_keys() -> set:
-    from snippets.models.gpt import GPT
+def assert_same(gathered: dict, expected: dict) -> None:
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        assert expected[key], key
+        for name, tensor in expected[key].items():
+            assert torch.equal(gathered[key][name], tensor), (key, name)
 
-    return set(GPT(CONFIG).state_dict())
+
+def test_resume_is_bit_exact_and_a_checkpoint_loads_at_any_layout(tmp_path):
+    one = DistributedTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2))
+    one.log = lambda message: None
+    run_steps(one, 2)
+    one.save_checkpoint(tmp_path / "one-process.pt")
+    result = spawn(checkpoint_worker, 8, str(tmp_path), timeout_s=120)[0]
+    assert_same(result["resumed"], result["unbroken"])  # bit for bit
+    assert_same(result["from_one_process"], one_process_state(one))
+    # The parallel run's file, loaded by one process: the same weights and moments as every
+    # other layout gathers back from it.
+    loader = DistributedTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2))
+    loader.load_checkpoint(tmp_path / "step2.pt")
+    for loaded in result["loaded"]:
+        assert_same(loaded, one_process_state(loader))
+    assert loader.step == 2
 # --8<-- [end:checkpoints]
 
 

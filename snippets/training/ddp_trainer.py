@@ -1,7 +1,7 @@
 """The training loop of the learning guide, in one process or many (DDP under torchrun).
 
-    python snippets/training/ddp_trainer.py --model_size small --max_steps 50
-    torchrun --nproc_per_node=2 snippets/training/ddp_trainer.py --model_size small --max_steps 50
+    python snippets/training/ddp_trainer.py --model-size small --max-steps 50
+    torchrun --nproc_per_node=2 snippets/training/ddp_trainer.py --model-size small --max-steps 50
 
 `DistributedTrainer` holds the four pieces of a real pretraining loop, each one an exercise:
 
@@ -358,7 +358,7 @@ class DistributedTrainer:
         state = load_verified(path, map_location="cpu")
         if diff := config_diff(state["model_config"], self.config.to_dict()):
             raise CheckpointError(f"{path} holds a different model (checkpoint -> now: {diff}); "
-                                  "use the --model_size it was trained with")
+                                  "use the --model-size it was trained with")
         unwrap_model(self.model).load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.sampler.load_state_dict(state["sampler"])

@@ -28,6 +28,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -37,7 +38,7 @@ from snippets.data.corpus import DataError
 from snippets.dist import run_main
 from snippets.machine import DeviceError
 from snippets.flags import error_exit, int_at_least
-from snippets.models.gpt import ConfigError, get_config, shift_for_next_token
+from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.scratch.ddp import make_buckets
 from snippets.scratch.parallelize import (Layout, counted_in_norm, gradient_groups,
                                           local_parameters, local_tokens, loss_function,
@@ -183,33 +184,56 @@ class ParallelTrainer(DistributedTrainer):
         state["adam_step"] = steps[0] if steps else None
         return state
 
+    def one_process_order(self) -> tuple[list[str], list[dict]]:
+        """The plain model's parameter names in the order a one-process DistributedTrainer's
+        AdamW lists them (the indices of its state_dict()), and its param_groups. Written in
+        that layout, a checkpoint loads in either trainer: train on one process, continue on
+        eight, and back. The order comes from the same _setup_optimizer, run on a model with
+        no storage (the meta device)."""
+        with torch.device("meta"):
+            plain = GPT(self.config)
+        one_process = SimpleNamespace(raw_model=plain, train_config=self.train_config,
+                                      log=lambda message: None)
+        optimizer = DistributedTrainer._setup_optimizer(one_process)
+        names = {id(param): name for name, param in plain.named_parameters()}
+        order = [names[id(param)] for group in optimizer.param_groups for param in group["params"]]
+        return order, optimizer.state_dict()["param_groups"]
+
     def save_checkpoint_once(self, path: str | Path) -> None:
-        """Every rank sends its shards (a collective); rank 0 writes one file; all wait."""
+        """Every rank sends its shards (a collective); rank 0 writes one file, in the layout of
+        DistributedTrainer.save_checkpoint; all wait."""
         full = self.full_state()
         if self.is_main:
+            order, param_groups = self.one_process_order()
+            moments = {i: {"step": full["adam_step"].clone(), "exp_avg": full["exp_avg"][name],
+                           "exp_avg_sq": full["exp_avg_sq"][name]}
+                       for i, name in enumerate(order) if name in full["exp_avg"]}
             save_atomic(path, {
                 "model": full["param"],
-                "optimizer": {"exp_avg": full["exp_avg"], "exp_avg_sq": full["exp_avg_sq"],
-                              "step": full["adam_step"]},
+                "optimizer": {"state": moments, "param_groups": param_groups},
                 "step": self.step, "sampler": self.sampler.state_dict(),
                 "rng": capture_rng_state(), "model_config": self.config.to_dict(),
                 "train_config": asdict(self.train_config), "layout": asdict(self.layout)})
         dist.barrier()
 
     def load_checkpoint(self, path: str | Path) -> dict:
-        """Take this rank's slices of the full state: any layout loads any layout's file."""
+        """Take this rank's slices of the full state: a file from any layout, or from
+        DistributedTrainer, loads at any layout."""
         state = load_verified(path, map_location="cpu")
         if diff := config_diff(state["model_config"], self.config.to_dict()):
             raise CheckpointError(f"{path} holds a different model (checkpoint -> now: {diff}); "
                                   "use the --model-size it was trained with")
-        moments = state["optimizer"]
+        order, _ = self.one_process_order()
+        moments = {order[i]: entry for i, entry in state["optimizer"]["state"].items()}
         for name, param in local_parameters(self.chunks):
             param.data.copy_(self.my_slice(name, state["model"][name]))
-            if moments["step"] is not None:
+            # the output head of a later stage is the tied embedding: its moments are those
+            owner = "embed_tokens.weight" if name not in order else name
+            if owner in moments:
                 self.optimizer.state[param] = {
-                    "step": moments["step"].clone(),
-                    "exp_avg": self.my_slice(name, moments["exp_avg"][name]).clone(),
-                    "exp_avg_sq": self.my_slice(name, moments["exp_avg_sq"][name]).clone()}
+                    "step": moments[owner]["step"].clone(),
+                    "exp_avg": self.my_slice(name, moments[owner]["exp_avg"]).clone(),
+                    "exp_avg_sq": self.my_slice(name, moments[owner]["exp_avg_sq"]).clone()}
         self.sampler.load_state_dict(state["sampler"])
         restore_rng_state(state["rng"])
         self.step = state["step"]
@@ -257,11 +281,10 @@ def parse_args(argv: list[str] | None = None):
                      "runs/parallel_trainer")
     for axis, what in (("dp", "data-parallel replicas"), ("tp", "tensor-parallel ranks"),
                        ("pp", "pipeline stages"), ("cp", "context-parallel ranks (ring)")):
-        p.add_argument(f"--{axis}", type=int_at_least(1), default=1, help=what)
-    p.add_argument("--sp", action="store_true", help="sequence parallelism in the TP groups")
-    p.add_argument("--virtual-stages", "--virtual_stages", dest="virtual_stages",
-                   type=int_at_least(1), default=1,
-                   help="model chunks per pipeline rank (interleaved 1F1B when > 1)")
+        p.add_flag(axis, type=int_at_least(1), default=1, help=what)
+    p.add_flag("sp", action="store_true", help="sequence parallelism in the TP groups")
+    p.add_flag("virtual-stages", type=int_at_least(1), default=1,
+               help="model chunks per pipeline rank (interleaved 1F1B when > 1)")
     return check_args(p, p.parse_args(argv))
 
 
