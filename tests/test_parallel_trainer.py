@@ -93,52 +93,21 @@ def replace_norm(trainer) -> float:
         pt.counted_in_norm = original
 
 
-def layouts_worker(rank: int, world_size: int, runs: list) -> list:
-    return [train_layout(layout, plant) for layout, plant in runs]
-
-
 def worst_difference(result: dict, reference: dict) -> float:
     return max((result["state"][k] - reference[k]).abs().max().item() for k in reference)
 
 
-def check_runs(world_size: int, runs: list) -> list[tuple]:
-    """(layout, plant, worst weight difference, bound, loss differences within bound)."""
-    out = spawn(layouts_worker, world_size, runs, timeout_s=120)[0]
+def compare_with_one_process(runs: list, results: list) -> list[tuple]:
+    """(layout, plant, worst weight difference, bound, every loss within its bound)."""
     rows = []
-    for (layout, plant), result in zip(runs, out):
+    for (layout, plant), result in zip(runs, results):
         reference, ref_losses, moved = one_process(layout.dp)
-        bound = tolerance(CONFIG, MICRO_BATCH * layout.dp * MICRO_BATCHES, SEQ, moved)
-        losses_ok = all(abs(a - b) < tolerance(CONFIG, MICRO_BATCH * layout.dp * MICRO_BATCHES,
-                                               SEQ, b)
+        tokens = MICRO_BATCH * layout.dp * MICRO_BATCHES
+        bound = tolerance(CONFIG, tokens, SEQ, moved)
+        losses_ok = all(abs(a - b) < tolerance(CONFIG, tokens, SEQ, b)
                         for a, b in zip(result["losses"], ref_losses))
         rows.append((layout, plant, worst_difference(result, reference), bound, losses_ok))
     return rows
-
-
-# --8<-- [start:equals-one-process]
-def test_eight_processes_dp_tp_pp_with_and_without_sp_equal_one_process():
-    runs = [(Layout(dp=2, tp=2, pp=2), None),
-            (Layout(dp=2, tp=2, pp=2, sp=True), None),
-            (Layout(dp=2, tp=2, pp=2), "sync over the stage"),
-            (Layout(dp=2, tp=2, pp=2), "norm counts copies")]
-    rows = check_runs(8, runs)
-    for layout, plant, worst, bound, losses_ok in rows[:2]:
-        assert worst < bound and losses_ok, (layout, worst, bound)
-    for layout, plant, worst, bound, _ in rows[2:]:  # each planted mistake is caught
-        assert worst > 100 * bound, (plant, worst, bound)
-
-
-def test_four_processes_dp_cp_and_interleaved_equal_one_process():
-    runs = [(Layout(dp=2, cp=2), None),
-            (Layout(dp=2, pp=2, virtual_stages=2), None),
-            (Layout(cp=2, tp=2, sp=True), None),
-            (Layout(dp=2, cp=2), "no CP reduction")]
-    rows = check_runs(4, runs)
-    for layout, plant, worst, bound, losses_ok in rows[:3]:
-        assert worst < bound and losses_ok, (layout, worst, bound)
-    layout, plant, worst, bound, _ = rows[3]
-    assert worst > 100 * bound, (plant, worst, bound)
-# --8<-- [end:equals-one-process]
 
 
 # --8<-- [start:checkpoints]
@@ -156,36 +125,98 @@ def run_steps(trainer, steps: int) -> None:
         trainer.train_step(batches)
 
 
-def checkpoint_worker(rank: int, world_size: int, directory: str) -> dict:
-    """An unbroken run; the same run stopped, saved and resumed in a fresh trainer; the saved
-    file loaded at two other layouts; and a one-process DistributedTrainer's file loaded."""
-    saved_at, others = Layout(dp=2, tp=2, pp=2), [Layout(pp=2, cp=2, tp=2, sp=True),
-                                                  Layout(dp=4, pp=2)]
-    unbroken = make_trainer(saved_at)
+def stop_and_resume(layout: Layout, directory: str) -> dict:
+    """4 steps unbroken; and 2 steps, saved, then 2 more in a fresh trainer that loads them."""
+    unbroken = make_trainer(layout)
     run_steps(unbroken, 4)
-    first = make_trainer(saved_at)
+    first = make_trainer(layout)
     run_steps(first, 2)
-    path = os.path.join(directory, "step2.pt")
+    name = (f"dp{layout.dp}-tp{layout.tp}-pp{layout.pp}-cp{layout.cp}-sp{int(layout.sp)}"
+            f"-v{layout.virtual_stages}.pt")
+    path = os.path.join(directory, name)
     first.save_checkpoint_once(path)
-    resumed = make_trainer(saved_at)
+    resumed = make_trainer(layout)
     resumed.load_checkpoint(path)
     run_steps(resumed, 2)
-    result = {"unbroken": unbroken.full_state(), "resumed": resumed.full_state(), "loaded": []}
-    for layout in others:
-        trainer = make_trainer(layout)
-        trainer.load_checkpoint(path)
-        result["loaded"].append(trainer.full_state())
-    from_one_process = make_trainer(saved_at)
-    from_one_process.load_checkpoint(os.path.join(directory, "one-process.pt"))
-    result["from_one_process"] = from_one_process.full_state()
-    return result
+    return {"unbroken": unbroken.full_state(), "resumed": resumed.full_state(), "path": path}
+
+
+def load_at(layout: Layout, path: str) -> dict | None:
+    trainer = make_trainer(layout)
+    trainer.load_checkpoint(path)
+    return trainer.full_state()
+# --8<-- [end:checkpoints]
+
+
+EIGHT = [(Layout(dp=2, tp=2, pp=2), None),
+         (Layout(dp=2, tp=2, pp=2, sp=True), None),
+         (Layout(dp=2, tp=2, pp=2), "sync over the stage"),
+         (Layout(dp=2, tp=2, pp=2), "norm counts copies")]
+FOUR = [(Layout(dp=2, cp=2), None),
+        (Layout(dp=2, pp=2, virtual_stages=2), None),
+        (Layout(cp=2, tp=2, sp=True), None),
+        (Layout(dp=2, cp=2), "no CP reduction")]
+
+
+def eight_worker(rank: int, world_size: int, directory: str) -> dict:
+    """One set of 8 processes for every 8-process check: starting them costs more than
+    the tiny model's steps."""
+    resumes = [stop_and_resume(layout, directory) for layout, _ in EIGHT[:2]]
+    return {"compare": [train_layout(layout, plant) for layout, plant in EIGHT],
+            "resume": resumes,
+            "loaded": [load_at(layout, resumes[0]["path"])
+                       for layout in (Layout(pp=2, cp=2, tp=2, sp=True), Layout(dp=4, pp=2))],
+            "from_one_process": load_at(EIGHT[0][0], os.path.join(directory, "one.pt"))}
+
+
+def four_worker(rank: int, world_size: int, directory: str) -> dict:
+    return {"compare": [train_layout(layout, plant) for layout, plant in FOUR],
+            "resume": [stop_and_resume(layout, directory) for layout, _ in FOUR[:2]]}
+
+
+@pytest.fixture(scope="module")
+def one_process_run(tmp_path_factory):
+    """A one-process DistributedTrainer's run, 2 steps, and its checkpoint."""
+    directory = tmp_path_factory.mktemp("parallel")
+    trainer = DistributedTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2))
+    trainer.log = lambda message: None
+    run_steps(trainer, 2)
+    trainer.save_checkpoint(directory / "one.pt")
+    return directory, trainer
+
+
+@pytest.fixture(scope="module")
+def eight(one_process_run):
+    return spawn(eight_worker, 8, str(one_process_run[0]), timeout_s=180)[0]
+
+
+@pytest.fixture(scope="module")
+def four(one_process_run):
+    return spawn(four_worker, 4, str(one_process_run[0]), timeout_s=180)[0]
+
+
+# --8<-- [start:equals-one-process]
+def test_eight_processes_dp_tp_pp_with_and_without_sp_equal_one_process(eight):
+    rows = compare_with_one_process(EIGHT, eight["compare"])
+    for layout, plant, worst, bound, losses_ok in rows[:2]:
+        assert worst < bound and losses_ok, (layout, worst, bound)
+    for layout, plant, worst, bound, _ in rows[2:]:  # each planted mistake is caught
+        assert worst > 100 * bound, (plant, worst, bound)
+
+
+def test_four_processes_dp_cp_and_interleaved_equal_one_process(four):
+    rows = compare_with_one_process(FOUR, four["compare"])
+    for layout, plant, worst, bound, losses_ok in rows[:3]:
+        assert worst < bound and losses_ok, (layout, worst, bound)
+    layout, plant, worst, bound, _ = rows[3]
+    assert worst > 100 * bound, (plant, worst, bound)
+# --8<-- [end:equals-one-process]
 
 
 def one_process_state(trainer) -> dict:
     """A DistributedTrainer's weights and AdamW moments, by parameter name."""
-    named = dict(trainer.raw_model.named_parameters())
     state = {"param": trainer.raw_model.state_dict(), "exp_avg": {}, "exp_avg_sq": {}}
-    for name, param in named.items():
+    for name, param in trainer.raw_model.named_parameters():
         for key in ("exp_avg", "exp_avg_sq"):
             state[key][name] = trainer.optimizer.state[param][key]
     return state
@@ -198,22 +229,21 @@ def assert_same(gathered: dict, expected: dict) -> None:
             assert torch.equal(gathered[key][name], tensor), (key, name)
 
 
-def test_resume_is_bit_exact_and_a_checkpoint_loads_at_any_layout(tmp_path):
-    one = DistributedTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2))
-    one.log = lambda message: None
-    run_steps(one, 2)
-    one.save_checkpoint(tmp_path / "one-process.pt")
-    result = spawn(checkpoint_worker, 8, str(tmp_path), timeout_s=120)[0]
-    assert_same(result["resumed"], result["unbroken"])  # bit for bit
-    assert_same(result["from_one_process"], one_process_state(one))
+def test_a_resumed_run_equals_the_unbroken_one_bit_for_bit(eight, four):
+    for run in eight["resume"] + four["resume"]:  # dp x tp x pp, + sp, dp x cp, interleaved
+        assert_same(run["resumed"], run["unbroken"])
+
+
+def test_a_checkpoint_loads_at_any_layout_and_in_one_process(eight, one_process_run):
+    directory, one = one_process_run
+    assert_same(eight["from_one_process"], one_process_state(one))
     # The parallel run's file, loaded by one process: the same weights and moments as every
     # other layout gathers back from it.
     loader = DistributedTrainer(CONFIG, settings(lr=3e-3, warmup_steps=2))
-    loader.load_checkpoint(tmp_path / "step2.pt")
-    for loaded in result["loaded"]:
-        assert_same(loaded, one_process_state(loader))
+    loader.load_checkpoint(eight["resume"][0]["path"])
     assert loader.step == 2
-# --8<-- [end:checkpoints]
+    for loaded in eight["loaded"]:
+        assert_same(loaded, one_process_state(loader))
 
 
 def torchrun(tmp_path, *args, nproc: int = 2) -> subprocess.CompletedProcess:
