@@ -21,7 +21,7 @@
 # Everything here runs on a laptop. The page was executed when the site was built: every number
 # and plot below comes from that run, on a CPU.
 #
-# The trainer is `snippets/training/train_tiny_transformer.py`, the same script Lab 1 runs from
+# The trainer is `snippets/scripts/train_tiny_transformer.py`, the same script Lab 1 runs from
 # the command line. Here it is called in-process: `parse_args` takes
 # the command-line flags as a list, and `train` returns the metric records it also writes to
 # `metrics.jsonl`.
@@ -58,8 +58,8 @@ os.chdir(workdir)
 # run (more on that below). To train on your own GPU or Mac, drop that flag:
 #
 # ```
-# python snippets/training/train_tiny_transformer.py --epochs 1            # CUDA, MPS or CPU
-# python snippets/training/train_tiny_transformer.py --epochs 1 --device mps
+# python snippets/scripts/train_tiny_transformer.py --epochs 1            # CUDA, MPS or CPU
+# python snippets/scripts/train_tiny_transformer.py --epochs 1 --device mps
 # ```
 #
 # ## The model, before training
@@ -72,7 +72,7 @@ os.chdir(workdir)
 # %%
 from snippets.data.dataset import load_tokens, sequential_batches, train_val_split
 from snippets.models.gpt import GPT, GPTConfig, shift_for_next_token
-from snippets.training.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
+from snippets.scripts.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
 
 config = GPTConfig.from_json(DEFAULT_CONFIG)
 print({k: v for k, v in config.to_dict().items() if k in (
@@ -280,7 +280,7 @@ print(f"validation losses equal: {val_after == val_reference}")
 # the trainer does:
 
 # %%
-from snippets.training.train_tiny_transformer import evaluate, sample_text
+from snippets.scripts.train_tiny_transformer import evaluate, sample_text
 from snippets.data.tokenizer import ByteTokenizer
 
 final = load_checkpoint("broken/checkpoints/ckpt-00000160.pt")

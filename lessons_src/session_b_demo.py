@@ -39,14 +39,14 @@
 # | `LOCAL_RANK` | its number on this machine: which GPU it should use | equal to `RANK` on one machine |
 # | `MASTER_ADDR`, `MASTER_PORT` | where rank 0 listens, so the others can find it | `localhost`, a free port |
 #
-# The script is `snippets/training/ddp_simulation_train.py`. It reads those variables
+# The script is `snippets/scripts/ddp_simulation_train.py`. It reads those variables
 # (`snippets.dist.init_from_env`), wraps the tiny GPT of Session A in PyTorch's
 # `DistributedDataParallel`, and logs from every rank.
 #
 # ## Start four workers
 #
 # The command a reader types is
-# `torchrun --nproc_per_node=4 snippets/training/ddp_simulation_train.py --max-steps 10`.
+# `torchrun --nproc_per_node=4 snippets/scripts/ddp_simulation_train.py --max-steps 10`.
 # Here it runs through `python -m torch.distributed.run` (which is what the `torchrun` command
 # is) with the logs and the checkpoint in a scratch folder, and one thread per process:
 # four processes on a two-core machine gain nothing from more.
@@ -70,14 +70,14 @@ def torchrun(nproc: int, run_name: str, *script_args: str) -> Path:
     """Run the demo script under torchrun; print what rank 0 printed; return the log folder."""
     log_dir = scratch / run_name / "logs"
     command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "snippets/training/ddp_simulation_train.py", *script_args,
+               "snippets/scripts/ddp_simulation_train.py", *script_args,
                "--log-dir", str(log_dir), "--ckpt", str(scratch / run_name / "ckpt.pt")]
     start = time.perf_counter()
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
     if result.returncode != 0:
         raise RuntimeError(f"torchrun failed ({result.returncode}):\n{result.stderr[-3000:]}")
-    print(f"$ torchrun --nproc_per_node={nproc} snippets/training/ddp_simulation_train.py "
+    print(f"$ torchrun --nproc_per_node={nproc} snippets/scripts/ddp_simulation_train.py "
           f"{' '.join(script_args)}")
     print(result.stdout.strip())
     print(f"[{time.perf_counter() - start:.1f} s, including starting {nproc} Python processes]")

@@ -14,11 +14,19 @@ Where each kind of thing lives:
                  models, data, dist and flags, never planner or bench
     library/     the library versions of the same ideas under the same names, applied to a
                  plain model (scratch/X <-> library/X): pipeline, tensor_parallel (and 2-D with
-                 FSDP2), sequence_parallel, context_parallel, three_d; FSDP2 itself is in
-                 training/fsdp_trainer.py, DDP in training/ddp_trainer.py, DeepSpeed in
-                 cluster/deepspeed/, Accelerate in training/; TorchTitan's CPU launcher
-    training/    the trainers and the lesson scripts (train_tiny_transformer, ddp_trainer,
-                 fsdp_trainer, accelerate_train, ...), checkpoints, command-line flag checks
+                 FSDP2), sequence_parallel, context_parallel, three_d; the trainer with
+                 Accelerate (accelerate_train, accelerate_devices, accelerate_sharding); FSDP2
+                 itself is in training/fsdp_trainer.py, DDP in training/ddp_trainer.py,
+                 DeepSpeed in cluster/deepspeed/; TorchTitan's CPU launcher
+    training/    the trainer core: one loop with a forward_backward seam (ddp_trainer), FSDP
+                 (fsdp_trainer) and the parallel trainer (parallel_trainer) as thin layers on
+                 it, one checkpoint layout and run protocol (checkpoint)
+    scripts/     the lesson scripts a page or an executed lesson runs: train_tiny_transformer,
+                 ddp_simulation_train, precision_and_accumulation, low_precision,
+                 reproducibility, profile_step, profile_mps
+    tools/       what a learner points at their own runs: read_logs, read_trace,
+                 inspect_checkpoints
+    labs/        the workshop's labs: lab1_sweep, lab2_samplers
     cluster/     more than one node: the fake multi-node launcher, SLURM scripts, DeepSpeed
                  (deepspeed/), Kubernetes (k8s/), ranked checkpoints, log merging
     planner/     the memory / FLOPs / communication cost model behind the calculator page

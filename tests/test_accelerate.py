@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import ROOT, free_port
 
-SCRIPT = "snippets/training/accelerate_train.py"
+SCRIPT = "snippets/library/accelerate_train.py"
 ACCELERATE = Path(sys.executable).parent / "accelerate"
 STEPS = "1"  # the launches below are refused or checked for who starts
 
@@ -79,7 +79,7 @@ def checked_output(command: str) -> str:
 
 
 def test_multi_gpu_launch_with_a_cpu_accelerator_trains_one_model_on_sharded_data():
-    out = checked_output("snippets/training/accelerate_train.py --cpu --max-steps 5 --overwrite\n")
+    out = checked_output("snippets/library/accelerate_train.py --cpu --max-steps 5 --overwrite\n")
     assert processes(out) == [("0", 0, 2, True), ("1", 1, 2, False)]
     assert "MULTI_CPU: 2 processes, backend gloo" in out
     assert "model -> DistributedDataParallel" in out
@@ -168,7 +168,7 @@ def test_a_run_refuses_a_folder_with_an_earlier_runs_state_in_one_line(tmp_path)
 
 
 def test_overwrite_removes_only_the_files_save_state_writes(tmp_path):
-    from snippets.training.accelerate_train import check_state_dir, saved_state
+    from snippets.library.accelerate_train import check_state_dir, saved_state
 
     for name in ["model.safetensors", "optimizer.bin", "random_states_3.pkl", "notes.txt"]:
         (tmp_path / name).write_text("x")
@@ -182,7 +182,7 @@ def test_overwrite_removes_only_the_files_save_state_writes(tmp_path):
 @pytest.mark.parametrize("flag, value", [("--max-steps", "0"), ("--batch-size", "-1"),
                                          ("--lr", "0")])
 def test_bad_numbers_are_refused_in_one_line_naming_the_flag(capsys, flag, value):
-    from snippets.training.accelerate_train import parse_args
+    from snippets.library.accelerate_train import parse_args
 
     with pytest.raises(SystemExit) as exit_:
         parse_args([flag, value])

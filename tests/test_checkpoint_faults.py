@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from snippets.training import checkpoint as ckpt
-from snippets.training import train_tiny_transformer as tiny
+from snippets.scripts import train_tiny_transformer as tiny
 
 pytestmark = pytest.mark.kernel_independent("a killed writer and the resume that follows, compared inside one machine")
 

@@ -92,7 +92,7 @@ def test_launcher_sets_each_rank_and_names_the_rank_that_failed(tmp_path):
     """2 nodes x 2 processes of the Session B script; rank 3 (node 1, local rank 1) crashes."""
     result = subprocess.run(
         [*LAUNCHER, "--nnodes", "2", "--nproc-per-node", "2",
-         "snippets/training/ddp_simulation_train.py", "--steps", "2", "--fail-rank", "3",
+         "snippets/scripts/ddp_simulation_train.py", "--steps", "2", "--fail-rank", "3",
          "--fail-step", "0", "--timeout", "60", "--log-dir", str(tmp_path / "logs"),
          "--ckpt", str(tmp_path / "ckpt.pt")],
         cwd=ROOT, capture_output=True, text=True, timeout=300)

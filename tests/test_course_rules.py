@@ -144,3 +144,60 @@ def test_no_snippets_module_imports_one_that_imports_it_back():
     cycles = sorted(f"{a} -> {b} -> ... -> {a}" for a in imports for b in imports[a]
                     if reaches(b, a, set()))
     assert not cycles, "\n".join(cycles)
+
+
+# ---------------------------------------------------------------- layout (issue 32, "One trainer")
+
+# snippets/training/ is the trainer core. What a page runs to teach something (scripts/), what a
+# learner points at their own runs (tools/) and the workshop's labs (labs/) have folders of their
+# own and call the core; the trainer with Accelerate is in library/ (README, "Contributing").
+TRAINER_CORE = {"__init__", "checkpoint", "ddp_trainer", "fsdp_trainer", "parallel_trainer"}
+CALLERS_OF_THE_CORE = ("scripts", "tools", "labs")
+
+
+def snippets_imports(source: str) -> set[str]:
+    """The snippets.* modules and packages the code imports, anywhere in it."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.update([node.module, *(f"{node.module}.{a.name}" for a in node.names)])
+    return {module for module in found if module.startswith("snippets.")}
+
+
+def test_training_holds_only_the_trainer_core():
+    found = {path.stem for path in (ROOT / "snippets" / "training").glob("*.py")}
+    assert found == TRAINER_CORE, (
+        f"snippets/training/ holds the trainer core only; by role, {sorted(found - TRAINER_CORE)} "
+        f"belong in snippets/scripts/, tools/, labs/ or library/")
+
+
+def test_each_role_folder_is_a_package_that_says_what_belongs_in_it():
+    for folder in ("training", *CALLERS_OF_THE_CORE):
+        init = ROOT / "snippets" / folder / "__init__.py"
+        assert init.is_file(), f"{init} is missing: pyproject finds packages by their __init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def test_each_script_tool_and_lab_runs_on_its_own():
+    not_runnable = [str(path.relative_to(ROOT)) for folder in CALLERS_OF_THE_CORE
+                    for path in sorted((ROOT / "snippets" / folder).glob("*.py"))
+                    if path.name != "__init__.py"
+                    and 'if __name__ == "__main__":' not in path.read_text()]
+    assert not not_runnable, not_runnable
+
+
+def test_the_trainer_core_imports_no_script_tool_or_lab():
+    callers = tuple(f"snippets.{folder}" for folder in CALLERS_OF_THE_CORE)
+    problems = {path.name: sorted(m for m in snippets_imports(path.read_text())
+                                  if m.startswith(callers))
+                for path in sorted((ROOT / "snippets" / "training").glob("*.py"))}
+    problems = {name: found for name, found in problems.items() if found}
+    assert not problems, f"the scripts, tools and labs call the core, not the other way: {problems}"
+
+
+def test_the_layout_checker_sees_an_import_of_a_script():
+    assert "snippets.scripts.profile_step" in snippets_imports(
+        "def f():\n    from snippets.scripts.profile_step import build")
+    assert "snippets.labs.lab1_sweep" in snippets_imports("from snippets.labs import lab1_sweep")

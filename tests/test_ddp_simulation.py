@@ -11,7 +11,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-SCRIPT = "snippets/training/ddp_simulation_train.py"
+SCRIPT = "snippets/scripts/ddp_simulation_train.py"
 
 
 def torchrun(tmp_path: Path, *args, nproc=4, torchrun_args=()):
@@ -96,7 +96,8 @@ def test_steps_per_epoch_and_tokens_per_step_follow_the_world_size(two_ranks):
 def test_a_fresh_run_refuses_an_earlier_checkpoint_and_keeps_it(tmp_path, monkeypatch):
     """Without --resume or --overwrite, a run that finds a checkpoint at --ckpt stops before the
     process group starts, naming the three ways on, and leaves the file as it was."""
-    from snippets.training import checkpoint, ddp_simulation_train
+    from snippets.scripts import ddp_simulation_train
+    from snippets.training import checkpoint
 
     ckpt = tmp_path / "ckpt.pt"
     ckpt.write_bytes(b"an earlier run")

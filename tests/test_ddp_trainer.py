@@ -115,7 +115,7 @@ def test_lr_schedule():
 def test_session_a_schedule_is_the_same_curve():
     """Session A's trainer writes the schedule as a LambdaLR factor, exercise 9 as get_lr: the
     same curve twice, because the exercise must stand on its own. They must not drift apart."""
-    from snippets.training.train_tiny_transformer import warmup_cosine
+    from snippets.scripts.train_tiny_transformer import warmup_cosine
 
     lr, warmup, max_steps = 1e-3, 10, 110
     trainer = make_trainer(lr=lr, min_lr=lr / 10, warmup_steps=warmup, max_steps=max_steps)

@@ -125,6 +125,17 @@ def test_catalogue_lists_every_exercise_of_the_guide_once():
             assert ex.arrives_with, f"exercise {ex.number} does not say when it arrives"
 
 
+def test_every_exercise_has_one_check_file_and_every_check_file_an_exercise():
+    # checks/exNN_<what>.py is exercise NN's check, found by the number; `_`-files are shared.
+    files = sorted(p.name for p in catalog.CHECKS_DIR.glob("*.py") if not p.name.startswith("_"))
+    for ex in catalog.EXERCISES:
+        path = ex.check_path
+        assert path is not None, (f"exercise {ex.number}: not exactly one "
+                                  f"checks/ex{ex.number:02d}_*.py")
+        assert f"\ndef {ex.check}(" in path.read_text(), f"{path.name} has no {ex.check}"
+    assert files == sorted(ex.check_path.name for ex in catalog.EXERCISES)
+
+
 @pytest.mark.parametrize("file", sorted(exercises_by_file()))
 def test_stub_is_valid_python_and_differs_only_in_the_exercise_sections(file):
     exercises = exercises_by_file()[file]

@@ -184,7 +184,7 @@ def test_exercise_15_check_timeout():
     # collective timeout, the timeout_s that check_fsdp_checkpoint passes to snippets.dist.spawn.
     page = "exercises/phase-3.md"
     [(line, (value,))] = stated(page, r"the check reports that after (\d+) seconds")
-    from snippets.exercises import checks_fsdp as checks
+    from snippets.exercises.checks import ex15_fsdp_checkpoint as checks
     src = inspect.getsource(checks.check_fsdp_checkpoint)
     [passed] = re.findall(r"spawn\(_fsdp_checkpoint_worker, .*timeout_s=(\d+)\)", src)
     assert int(value) == int(passed), f"docs/{page}:{line}: the check passes timeout_s={passed}"

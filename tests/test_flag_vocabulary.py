@@ -18,13 +18,13 @@ TRAINERS = [
     "snippets.training.ddp_trainer",
     "snippets.training.fsdp_trainer",
     "snippets.training.parallel_trainer",
-    "snippets.training.train_tiny_transformer",
-    "snippets.training.ddp_simulation_train",
-    "snippets.training.accelerate_train",
-    "snippets.training.low_precision",
-    "snippets.training.lab1_sweep",
-    "snippets.training.profile_step",
-    "snippets.training.precision_and_accumulation",
+    "snippets.scripts.train_tiny_transformer",
+    "snippets.scripts.ddp_simulation_train",
+    "snippets.library.accelerate_train",
+    "snippets.scripts.low_precision",
+    "snippets.labs.lab1_sweep",
+    "snippets.scripts.profile_step",
+    "snippets.scripts.precision_and_accumulation",
     "snippets.cluster.multi_node_train",
     "snippets.cluster.deepspeed.train_deepspeed",
 ]
@@ -54,17 +54,17 @@ VOCABULARY = {
 
 # Older names that commands on the pages and in snippets/cluster still use, per trainer.
 OLD_NAMES = {
-    "snippets.training.ddp_simulation_train": ["--steps"],
-    "snippets.training.accelerate_train": ["--steps"],
-    "snippets.training.low_precision": ["--steps"],
-    "snippets.training.lab1_sweep": ["--steps", "--context-length"],
-    "snippets.training.train_tiny_transformer": ["--context-length"],
+    "snippets.scripts.ddp_simulation_train": ["--steps"],
+    "snippets.library.accelerate_train": ["--steps"],
+    "snippets.scripts.low_precision": ["--steps"],
+    "snippets.labs.lab1_sweep": ["--steps", "--context-length"],
+    "snippets.scripts.train_tiny_transformer": ["--context-length"],
     "snippets.cluster.multi_node_train": ["--steps"],
     "snippets.cluster.deepspeed.train_deepspeed": ["--steps", "--context"],
 }
 
 # The same word for another concept: profile_step's --steps counts the steps it records.
-OTHER_CONCEPT = {("snippets.training.profile_step", "--steps")}
+OTHER_CONCEPT = {("snippets.scripts.profile_step", "--steps")}
 
 GOOD_VALUE = {"--lr": "0.002", "--min-lr": "0.0001", "--weight-decay": "0.05",
               "--grad-clip": "0.5", "--model-size": "tiny"}

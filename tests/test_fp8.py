@@ -10,7 +10,7 @@ from snippets.models.gpt import GPT, get_config
 from snippets.scratch.precision import (E4M3, E5M2, DelayedScaling, Fp8Matmul, dequantize_fp8,
                                         fp8_round_trip, fp8_scale, mantissa_bits,
                                         quantization_error, scaled_mm_linear)
-from snippets.training.low_precision import linear_inputs
+from snippets.scripts.low_precision import linear_inputs
 
 FORMATS = {"e4m3": E4M3, "e5m2": E5M2}
 

@@ -82,7 +82,7 @@ def test_fp16_autocast_with_scratch_scaler_follows_grad_scaler():
 
 
 def test_tiny_transformer_trains_on_cuda(tmp_path):
-    from snippets.training.train_tiny_transformer import parse_args, train
+    from snippets.scripts.train_tiny_transformer import parse_args, train
 
     records = train(parse_args(["--config", "tiny", "--device", "cuda", "--epochs", "1",
                                 "--steps-per-epoch", "40", "--out", str(tmp_path)]))
@@ -104,7 +104,7 @@ def test_torchrun_scripts_keep_collective_tensors_on_the_gpu(tmp_path):
     """Under NCCL a collective's tensors must be on the GPU ("No backend type associated with
     device type cpu" otherwise): the model, the batches, the checksums, the SIGTERM flag. Session
     B's and C's scripts, on every GPU of the machine (one is enough to catch a CPU tensor)."""
-    torchrun_on_every_gpu(tmp_path, "snippets/training/ddp_simulation_train.py", "--steps", "3",
+    torchrun_on_every_gpu(tmp_path, "snippets/scripts/ddp_simulation_train.py", "--steps", "3",
                           "--grad-norm", "--log-dir", str(tmp_path / "logs"),
                           "--ckpt", str(tmp_path / "sim.pt"))
     log = (tmp_path / "logs" / "rank_0" / "train.log").read_text()
@@ -121,7 +121,7 @@ def test_more_processes_than_gpus_train_on_the_cpu(tmp_path):
     """The CPU pages' `torchrun --nproc_per_node=2` on a machine with fewer GPUs than processes:
     NCCL would give the extra rank a GPU that does not exist ("invalid device ordinal"); the
     scripts take gloo and the CPU instead, and the trainer says why."""
-    torchrun_on_every_gpu(tmp_path, "snippets/training/ddp_simulation_train.py", "--steps", "2",
+    torchrun_on_every_gpu(tmp_path, "snippets/scripts/ddp_simulation_train.py", "--steps", "2",
                           "--log-dir", str(tmp_path / "logs"), "--ckpt", str(tmp_path / "s.pt"),
                           extra=1)
     assert "done: 2 steps" in (tmp_path / "logs" / "rank_0" / "train.log").read_text()

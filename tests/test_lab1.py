@@ -11,10 +11,10 @@ import torch
 
 from snippets.data.dataset import load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
+from snippets.labs import lab1_sweep
 from snippets.models.gpt import GPT, ConfigError, get_config
-from snippets.training import inspect_checkpoints as inspect
-from snippets.training import lab1_sweep
-from snippets.training.train_tiny_transformer import DEFAULT_CONFIG, main, parse_args, train
+from snippets.scripts.train_tiny_transformer import DEFAULT_CONFIG, main, parse_args, train
+from snippets.tools import inspect_checkpoints as inspect
 
 REPO = Path(__file__).resolve().parents[1]
 LAB1 = REPO / "snippets" / "models" / "lab1"

@@ -27,9 +27,9 @@ from snippets.data.shards import (
     shards_for_rank,
 )
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.training.read_logs import main as read_logs_main
-from snippets.training.read_logs import metrics_records, tensorboard_scalars, wandb_history
-from snippets.training.train_tiny_transformer import main
+from snippets.tools.read_logs import main as read_logs_main
+from snippets.tools.read_logs import metrics_records, tensorboard_scalars, wandb_history
+from snippets.scripts.train_tiny_transformer import main
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = generate_corpus(target_bytes=40_000)  # a seventh of the built-in corpus: fast to train on
@@ -172,7 +172,7 @@ def test_one_run_from_bpe_shards_logs_the_same_numbers_to_tensorboard_and_wandb(
     manifest_path = _prepared(tmp_path, bpe, num_shards=2)
     env = {**os.environ, "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
     out = tmp_path / "run"
-    subprocess.run([sys.executable, str(REPO / "snippets/training/train_tiny_transformer.py"),
+    subprocess.run([sys.executable, str(REPO / "snippets/scripts/train_tiny_transformer.py"),
                     "--data", str(manifest_path), "--config", "tiny", "--batch-size", "8",
                     "--context-length", "32", "--steps-per-epoch", "6", "--eval-every", "3",
                     "--eval-batches", "2", "--sample-tokens", "5", "--device", "cpu",

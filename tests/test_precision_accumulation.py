@@ -7,7 +7,7 @@ import torch
 
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig
-from snippets.training.precision_and_accumulation import (
+from snippets.scripts.precision_and_accumulation import (
     ACCUMULATION_TOLERANCE,
     accumulated_gradients,
     accumulation_report,

@@ -1,5 +1,5 @@
 """profile_step.py reports what docs/reference/profiling.md shows, and the demos of
-snippets/training/reproducibility.py return what docs/reference/reproducibility.md claims."""
+snippets/scripts/reproducibility.py return what docs/reference/reproducibility.md claims."""
 
 import json
 import platform
@@ -7,7 +7,7 @@ import platform
 import pytest
 import torch
 
-from snippets.training import profile_step, reproducibility
+from snippets.scripts import profile_step, reproducibility
 
 # The tiny config, a small batch and two profiled steps: about a second on 2 CPU cores.
 FAST = ["--config", "tiny", "--device", "cpu", "--batch-size", "4", "--steps", "2"]

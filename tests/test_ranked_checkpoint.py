@@ -152,7 +152,7 @@ def test_shard_bounds_cover_the_buffer_once():
 # --8<-- [start:test-merge-logs]
 def test_merge_logs_orders_ranks_by_time_and_labels_every_line(tmp_path):
     from snippets.cluster.merge_logs import last_line_per_rank, merge_rank_logs
-    from snippets.training.ddp_simulation_train import rank_logger
+    from snippets.scripts.ddp_simulation_train import rank_logger
 
     # The real format, written by the trainer's own logger...
     for rank in (0, 1):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from snippets.training import read_trace
+from snippets.tools import read_trace
 
 pytestmark = pytest.mark.kernel_independent("a profiler trace's records and a table's text")
 
@@ -134,7 +134,7 @@ def test_bad_numbers_are_refused_in_one_line(capsys):
 def test_profile_mps_without_mps_is_one_line(capsys):
     import torch
 
-    from snippets.training import profile_mps
+    from snippets.scripts import profile_mps
 
     if torch.backends.mps.is_available():
         pytest.skip("this machine has MPS: the script would record")

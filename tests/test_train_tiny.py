@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from snippets.machine import pick_device
-from snippets.training import train_tiny_transformer as trainer
-from snippets.training.train_tiny_transformer import main, parse_args, train
+from snippets.scripts import train_tiny_transformer as trainer
+from snippets.scripts.train_tiny_transformer import main, parse_args, train
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "snippets" / "training" / "train_tiny_transformer.py"
+SCRIPT = REPO / "snippets" / "scripts" / "train_tiny_transformer.py"
 # Small batches and short sequences keep every run here to a second or two on 2 CPU cores;
 # one thread, because two threads slow to a crawl when other jobs share those cores.
 FAST = ["--config", "tiny", "--batch-size", "8", "--context-length", "32", "--device", "cpu",

@@ -3,8 +3,9 @@ one line naming the flag and what it accepts, exit status 2, no traceback."""
 
 import pytest
 
-from snippets.training import (ddp_simulation_train, ddp_trainer, fsdp_trainer, lab1_sweep,
-                               train_tiny_transformer)
+from snippets.labs import lab1_sweep
+from snippets.scripts import ddp_simulation_train, train_tiny_transformer
+from snippets.training import ddp_trainer, fsdp_trainer
 
 pytestmark = pytest.mark.kernel_independent("command-line parsing: messages and exit codes")
 
@@ -92,13 +93,13 @@ SCRIPTS = [
      "argument --timeout: must be a number > 0, got 0"),
     ("snippets.cluster.coordination", ["--missing-ranks", "-1"],
      "argument --missing-ranks: must be a whole number >= 0, got -1"),
-    ("snippets.training.precision_and_accumulation", ["--threads", "0"],
+    ("snippets.scripts.precision_and_accumulation", ["--threads", "0"],
      "argument --threads: must be a whole number >= 1, got 0"),
-    ("snippets.training.low_precision", ["--steps", "0"],
+    ("snippets.scripts.low_precision", ["--steps", "0"],
      "argument --max-steps: must be a whole number >= 1, got 0"),
-    ("snippets.training.accelerate_sharding", ["--processes", "0"],
+    ("snippets.library.accelerate_sharding", ["--processes", "0"],
      "argument --processes: must be a whole number >= 1, got 0"),
-    ("snippets.training.profile_step", ["--data-delay-ms", "-5"],
+    ("snippets.scripts.profile_step", ["--data-delay-ms", "-5"],
      "argument --data-delay-ms: must be a number >= 0, got -5"),
 ]
 
@@ -121,9 +122,9 @@ MAIN_CASES = [
      "argument --lr: must be a number > 0, got 0"),
     ("snippets.cluster.deepspeed.train_deepspeed", ["--steps", "0"],
      "argument --max-steps: must be a whole number >= 1, got 0"),
-    ("snippets.training.train_tiny_transformer", ["--seed", "-1"],
+    ("snippets.scripts.train_tiny_transformer", ["--seed", "-1"],
      "argument --seed: must be a whole number >= 0, got -1"),
-    ("snippets.training.read_logs", ["/no/such/run"],
+    ("snippets.tools.read_logs", ["/no/such/run"],
      "/no/such/run/metrics.jsonl not found: give the --out folder of a finished run"),
     ("snippets.library.pipeline", ["--stages", "0", "--micro-batches", "0"],
      "argument --stages: must be a whole number >= 2, got 0"),

@@ -24,7 +24,7 @@ from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.models.nanogpt import NanoGPT, matched_to
 from snippets.models.nanogpt import training_flops_per_token as nanogpt_flops_per_token
 from snippets.planner.flops import training_flops_per_token
-from snippets.training.precision_and_accumulation import median_seconds
+from snippets.scripts.precision_and_accumulation import median_seconds
 
 SHAPES = (("small", 8), ("medium", 8))  # config, batch size; sequences are the full context
 

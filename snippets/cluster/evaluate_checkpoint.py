@@ -25,7 +25,7 @@ from snippets.cluster.ranked_checkpoint import consolidate
 from snippets.data.dataset import load_tokens, train_val_split
 from snippets.models.gpt import GPT, GPTConfig, get_config
 from snippets.training.checkpoint import CheckpointError, load_checkpoint
-from snippets.training.train_tiny_transformer import evaluate
+from snippets.scripts.train_tiny_transformer import evaluate
 from snippets.flags import Parser
 from snippets.machine import set_threads
 

@@ -1,10 +1,10 @@
 """Merge per-rank logs into one timeline: what every rank did, in time order.
 
-    torchrun --nproc_per_node=2 snippets/training/ddp_simulation_train.py --max-steps 3
+    torchrun --nproc_per_node=2 snippets/scripts/ddp_simulation_train.py --max-steps 3
     python -m snippets.cluster.merge_logs logs               # the merged timeline
     python -m snippets.cluster.merge_logs logs --last        # each rank's last line: who stopped?
 
-Each rank of snippets/training/ddp_simulation_train.py writes logs/rank_N/train.log with lines
+Each rank of snippets/scripts/ddp_simulation_train.py writes logs/rank_N/train.log with lines
 like `12:00:03 rank 1 | step   2 | local loss ...`. On a cluster these files sit on many nodes;
 copied (or written) to one place, this tool interleaves them by timestamp. Lines without a
 timestamp (a traceback's continuation lines) stay with the line above them and get the rank
@@ -74,7 +74,7 @@ def merge_rank_logs(log_dir: str | Path, filename: str = "train.log") -> list[En
         if log_dir.is_dir() else []
     if not files:
         raise FileNotFoundError(f"no {log_dir}/rank_N/{filename} files: run a job that writes "
-                                "per-rank logs first (snippets/training/ddp_simulation_train.py)")
+                                "per-rank logs first (snippets/scripts/ddp_simulation_train.py)")
     # Each file is already in time order, so a k-way merge is enough (no global sort).
     return list(heapq.merge(*(read_rank_log(path, rank) for rank, path in files)))
 # --8<-- [end:read]

@@ -16,8 +16,8 @@ import torch
 from snippets.data.dataset import load_tokens, train_val_split
 from snippets.models.gpt import GPT, GPTConfig, get_config
 from snippets.training.checkpoint import CheckpointManager
-from snippets.training.lab1_sweep import LAB1_CONFIGS  # snippets/models/lab1/
-from snippets.training.train_tiny_transformer import evaluate
+from snippets.labs.lab1_sweep import LAB1_CONFIGS  # snippets/models/lab1/
+from snippets.scripts.train_tiny_transformer import evaluate
 
 torch.set_num_threads(1)  # as the trainer does: a tiny model gains nothing from more threads
 run_dir = Path(sys.argv[1] if len(sys.argv) > 1 else "runs/lab1/base")

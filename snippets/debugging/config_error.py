@@ -4,7 +4,7 @@
 """
 
 from snippets.models.gpt import ConfigError, get_config
-from snippets.training.lab1_sweep import LAB1_CONFIGS  # snippets/models/lab1/
+from snippets.labs.lab1_sweep import LAB1_CONFIGS  # snippets/models/lab1/
 
 try:
     get_config(LAB1_CONFIGS / "bad-heads-6.json")

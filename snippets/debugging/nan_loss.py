@@ -18,7 +18,7 @@ import torch
 
 from snippets.models.gpt import shift_for_next_token
 from snippets.scratch.precision import DynamicLossScaler
-from snippets.training.precision_and_accumulation import model_and_batch
+from snippets.scripts.precision_and_accumulation import model_and_batch
 from snippets.machine import set_threads
 
 

@@ -17,7 +17,7 @@ import torch
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.planner.memory import measure_activation_bytes, model_state_bytes
 from snippets.flags import Parser, int_at_least
-from snippets.training.precision_and_accumulation import median_seconds
+from snippets.scripts.precision_and_accumulation import median_seconds
 from snippets.machine import set_threads
 
 MiB = 2**20

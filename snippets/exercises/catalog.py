@@ -3,7 +3,7 @@
 An exercise is a section of a real module, between `# --8<-- [start:exercise-N]` and
 `# --8<-- [end:exercise-N]` (one exercise may own several sections, like 11's save and load). The
 stub generator blanks those sections out of a copy of the module; the checker imports the learner's
-copy and runs the function named in `check` from one of CHECK_MODULES; the exercise pages
+copy and runs the function named in `check` from the exercise's check file; the exercise pages
 include the same sections as the solutions. Where a section holds more than the exercise (the
 course's from-scratch modules, whose sections the lessons include), `blank` names the functions
 whose bodies are blanked instead, signatures and docstrings kept. So adding an exercise is
@@ -22,12 +22,9 @@ from functools import cached_property
 from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-# The modules that hold the check functions, one per phase: the model, the trainer, the FSDP
-# trainer, then the parallelisms (which run the learner's code on several processes), those of
-# overlapped DDP, of ZeRO and MoE and of sequence parallelism and the 3-D groups in modules of
-# their own.
-CHECK_MODULES = ("checks_model.py", "checks_trainer.py", "checks_fsdp.py", "checks_parallel.py",
-                 "checks_overlap.py", "checks_zero_moe.py", "checks_sp_3d.py")
+# The checks, one file per exercise, named by its number: checks/ex07_gpt_forward.py holds
+# exercise 7's. The files of the package whose names start with `_` hold what several share.
+CHECKS_DIR = Path(__file__).resolve().parent / "checks"
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,7 @@ class Exercise:
     concept: str
     difficulty: str
     hints: tuple[str, ...]
-    check: str  # name of the function in one of CHECK_MODULES
+    check: str  # name of the function in the exercise's check file, check_path
     phase: int
     depends_on: tuple[int, ...] = ()
     arrives_with: str = ""  # where the solution module comes from, while it does not exist yet
@@ -57,12 +54,18 @@ class Exercise:
     def solution_path(self) -> Path:
         return REPO_ROOT / self.file
 
+    @property
+    def check_path(self) -> Path | None:
+        """checks/exNN_<what>.py, NN this exercise's number; None unless exactly one exists."""
+        found = list(CHECKS_DIR.glob(f"ex{self.number:02d}_*.py"))
+        return found[0] if len(found) == 1 else None
+
     @cached_property
     def available(self) -> bool:
         # Read, not imported: `list`, `hints` and `stubs` then start without importing torch.
-        checks = "".join((Path(__file__).parent / name).read_text(encoding="utf-8")
-                         for name in CHECK_MODULES)
-        if not self.solution_path.is_file() or f"\ndef {self.check}(" not in checks:
+        checks = self.check_path
+        if (not self.solution_path.is_file() or checks is None
+                or f"\ndef {self.check}(" not in checks.read_text(encoding="utf-8")):
             return False
         text = self.solution_path.read_text(encoding="utf-8")
         return (all(f"[start:{s}]" in text and f"[end:{s}]" in text for s in self.sections)
@@ -397,7 +400,7 @@ EXERCISES: tuple[Exercise, ...] = (
     # ------------------------------------------------------------ phase 4: the parallelisms
     # Each exercise is a function of the course's from-scratch modules (snippets/scratch/):
     # the stub keeps its signature and docstring and blanks its body. The checks run it on
-    # gloo processes where it communicates (snippets/exercises/checks_parallel.py and siblings).
+    # gloo processes where it communicates (snippets/exercises/checks/, one file each).
     Exercise(
         number=16, title="ring_all_reduce (collectives.py)", file=COLLECTIVES_FILE,
         sections=("ring-all-reduce",), blank=("ring_all_reduce",), phase=4,

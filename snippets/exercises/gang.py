@@ -119,12 +119,12 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
     # As snippets.dist.spawn: the server imports these once, and each rank is forked from it
     # in milliseconds (the first backward imports symbolic_shapes, the first optimizer
     # torch._dynamo: a second or more of CPU each, per rank, inside its time limit).
+    # And every check file: a worker is pickled by name, and each rank imports its module.
+    checks = Path(__file__).resolve().parent / "checks"
     ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo",
                                 "torch.fx.experimental.symbolic_shapes",
-                                "snippets.exercises.checks_fsdp",
-                                "snippets.exercises.checks_parallel",
-                                "snippets.exercises.checks_zero_moe",
-                                "snippets.exercises.checks_sp_3d"])
+                                *(f"snippets.exercises.checks.{p.stem}"
+                                  for p in sorted(checks.glob("*.py")) if p.stem != "__init__")])
     forkserver.ensure_running()  # its seconds of imports come before the port is chosen
     with tempfile.TemporaryDirectory() as out:
         port = free_port()

@@ -20,7 +20,7 @@ from types import ModuleType
 
 import torch
 
-from snippets.exercises.catalog import CHECK_MODULES, REPO_ROOT, Exercise, all_dependencies
+from snippets.exercises.catalog import CHECKS_DIR, REPO_ROOT, Exercise, all_dependencies
 from snippets.exercises.stubs import stub_location
 
 _counter = itertools.count()
@@ -79,14 +79,17 @@ def _describe(err: BaseException, path: Path) -> str:
     return text
 
 
-def find_check(name: str):
-    """The check function called name, from the first of catalog.CHECK_MODULES that has it
+def find_check(exercise: Exercise):
+    """The exercise's check function, from its own file checks/exNN_<what>.py, NN its number
     (imported on first use: the checks of the parallelisms import much of torch.distributed)."""
-    for file in CHECK_MODULES:
-        module = importlib.import_module(f"snippets.exercises.{Path(file).stem}")
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise LookupError(f"no check called {name} in {', '.join(CHECK_MODULES)}")
+    path = exercise.check_path
+    if path is None:
+        raise LookupError(f"exercise {exercise.number} needs exactly one check file "
+                          f"{CHECKS_DIR}/ex{exercise.number:02d}_*.py")
+    module = importlib.import_module(f"snippets.exercises.checks.{path.stem}")
+    if not hasattr(module, exercise.check):
+        raise LookupError(f"no check called {exercise.check} in {path}")
+    return getattr(module, exercise.check)
 
 
 def _workspace_file(workspace: Path, exercise: Exercise) -> Path:
@@ -132,7 +135,7 @@ def run_check(exercise: Exercise, workspace: Path, *, explain_dependencies: bool
     printed = io.StringIO()  # the learner's prints (and the trainer's logs) stay out of a PASS
     try:
         with contextlib.redirect_stdout(printed):
-            passed = find_check(exercise.check)(module)
+            passed = find_check(exercise)(module)
         return Result(exercise, "PASS", passed=passed)
     except CheckFailed as err:
         message = str(err)

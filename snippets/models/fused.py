@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 from snippets.machine import cpu_model, set_threads
 from snippets.models.gpt import (GPT, MLP, CausalSelfAttention, RMSNorm, get_config,
                                  shift_for_next_token)
-from snippets.training.precision_and_accumulation import median_seconds
+from snippets.scripts.precision_and_accumulation import median_seconds
 
 
 # --8<-- [start:fused-modules]

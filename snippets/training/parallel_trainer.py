@@ -38,6 +38,7 @@ from snippets.data.corpus import DataError
 from snippets.dist import run_main
 from snippets.machine import DeviceError
 from snippets.flags import error_exit, int_at_least
+from snippets.library.parallel_trainer import LibraryParts
 from snippets.models.gpt import GPT, ConfigError, get_config, shift_for_next_token
 from snippets.scratch.ddp import make_buckets
 from snippets.scratch.parallelize import (Layout, counted_in_norm, gradient_groups,
@@ -269,11 +270,19 @@ class ParallelTrainer(DistributedTrainer):
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, B on macOS
         return rss / (2**20 if sys.platform == "darwin" else 2**10)
 
+    def parameters_here(self) -> int:
+        return sum(p.numel() for _, p in local_parameters(self.chunks))
+
     def memory_per_rank(self) -> list[float]:
         every = [None] * self.world_size
         dist.all_gather_object(every, round(self.peak_memory_mib(), 1))
         return every
     # --8<-- [end:logs]
+
+
+class LibraryParallelTrainer(LibraryParts, ParallelTrainer):
+    """ParallelTrainer with PyTorch's parts at the same seams (library/parallel_trainer.py):
+    DeviceMesh, DTensor TP, FSDP2 and torch.distributed.pipelining."""
 
 
 def parse_args(argv: list[str] | None = None):
@@ -285,6 +294,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_flag("sp", action="store_true", help="sequence parallelism in the TP groups")
     p.add_flag("virtual-stages", type=int_at_least(1), default=1,
                help="model chunks per pipeline rank (interleaved 1F1B when > 1)")
+    p.add_flag("library", action="store_true",
+               help="PyTorch's parts (DeviceMesh, DTensor TP, FSDP2, pipelining) instead of "
+                    "the scratch ones; dp, tp and pp only")
     return check_args(p, p.parse_args(argv))
 
 
@@ -296,8 +308,9 @@ def main(argv: list[str] | None = None) -> int:
         device, device_note = pick_trainer_device(args.device)
         layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sp=args.sp,
                         virtual_stages=args.virtual_stages)
-        trainer = ParallelTrainer(get_config(args.model_size), train_config_from_args(args),
-                                  layout, device)
+        trainer_class = LibraryParallelTrainer if args.library else ParallelTrainer
+        trainer = trainer_class(get_config(args.model_size), train_config_from_args(args),
+                                layout, device)
         resume_or_start(trainer, manager, args, load=trainer.load_checkpoint)
     except (ConfigError, DataError, CheckpointError, DeviceError) as err:
         return error_exit(err)
@@ -305,15 +318,18 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(args.out) / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     trainer.rank_log = logs / f"rank-{trainer.rank}.jsonl"
+    if args.overwrite:  # the run it replaces was this one's: its logs go with its checkpoints
+        trainer.rank_log.write_text("")
     if device_note:
         trainer.log(device_note)
     print(f"rank {trainer.rank}: dp {c['dp']} pp {c['pp']} cp {c['cp']} tp {c['tp']} | "
-          f"{sum(p.numel() for _, p in local_parameters(trainer.chunks)):,} parameters here",
+          f"{trainer.parameters_here():,} parameters here",
           flush=True)
     trainer.log(f"layout dp {layout.dp} x pp {layout.pp} x cp {layout.cp} x tp {layout.tp}"
                 f"{' + sp' if layout.sp else ''}, {layout.virtual_stages} chunk(s) per stage | "
                 f"{trainer.tokens_per_step:,} tokens per step ({tc.grad_accum_steps} "
-                f"micro-batches of {tc.batch_size} per replica)")
+                f"micro-batches of {tc.batch_size} per replica; "
+                f"{'library' if args.library else 'scratch'} parts)")
     status = train(trainer, args, save=lambda: save_step(trainer, manager))
     memory = trainer.memory_per_rank()
     trainer.log(f"peak memory per rank (MiB): {memory} | per-rank logs in {logs}")
