@@ -2,16 +2,17 @@
 are reduced over their expert-data group only and dense gradients over all ranks gives the same
 losses and weights; the bytes each group moves match a formula; and the two classic mistakes
 (experts averaged over the world; over the expert-data group without the factor ep), planted as
-named variants, are caught. One spawn runs all three; every test reads its results."""
+as their own sync functions in expert_data_parallel_check.py, are caught. One spawn runs all three; every test reads its results."""
 
 import pytest
 import torch
 
 from snippets.dist import spawn
-from snippets.scratch.expert_data_parallel import (DP, EP, EXPERTS, STEPS, bound, compare,
-                                                   counted_per_group, demo_worker, ep_dp_mesh,
-                                                   gather_state, layout_table, moe_gpt,
-                                                   one_process, update_gap)
+from snippets.scratch.expert_data_parallel import (DP, EP, EXPERTS, STEPS, ep_dp_mesh,
+                                                   layout_table, moe_gpt)
+from snippets.scratch.expert_data_parallel_check import (bound, compare, counted_per_group,
+                                                         demo_worker, gather_state, one_process,
+                                                         update_gap)
 
 MESH = ep_dp_mesh(EP, DP)
 

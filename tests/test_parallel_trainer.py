@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from snippets.dist import DEFAULT_TIMEOUT_S, spawn
-from snippets.models.gpt import ConfigError, get_config
+from snippets.models.gpt import get_config
 from snippets.scratch.parallelize import Layout
 from snippets.scratch.three_d_check import tolerance
 from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig
