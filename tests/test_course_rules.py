@@ -2,6 +2,7 @@
 class a lesson re-implements (DESIGN.md, "The literate-code contract", rule 5)."""
 
 import ast
+import re
 
 import pytest
 
@@ -201,3 +202,37 @@ def test_the_layout_checker_sees_an_import_of_a_script():
     assert "snippets.scripts.profile_step" in snippets_imports(
         "def f():\n    from snippets.scripts.profile_step import build")
     assert "snippets.labs.lab1_sweep" in snippets_imports("from snippets.labs import lab1_sweep")
+
+
+# ------------------------------------------------- the loop, written once (issue 32)
+
+LOOP_CHECKS = ("snippets/bench/", "snippets/figures/", "snippets/debugging/",
+               "snippets/exercises/checks/")
+
+
+def has_training_loop(source: str) -> bool:
+    """A module that calls .backward() and .step(): a forward/backward/step loop (docstrings
+    and comments do not count)."""
+    calls = [node.func.attr for node in ast.walk(ast.parse(source))
+             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)]
+    return "backward" in calls and "step" in calls
+
+
+def test_the_training_loop_is_written_once_and_every_other_loop_is_listed():
+    readme = (ROOT / "README.md").read_text()
+    listed = set(re.findall(r"`(snippets/[\w/]+\.py)`", readme.split(
+        "Where a training loop is written")[1].split("How `snippets/scratch/` is laid out")[0]))
+    found = {str(path.relative_to(ROOT)) for path in sorted((ROOT / "snippets").rglob("*.py"))
+             if has_training_loop(path.read_text())}
+    core = {f for f in found if f.startswith("snippets/training/")}
+    assert core == {"snippets/training/ddp_trainer.py"}, core
+    checks = {f for f in found if f.startswith(LOOP_CHECKS) or f.endswith("_check.py")
+              or f == "snippets/scratch/reference.py"}
+    unlisted = found - core - checks - listed
+    assert not unlisted, f"a training loop outside the trainer core, not listed in README: {unlisted}"
+    assert not listed - found - core, f"listed in README but no loop there: {listed - found}"
+
+
+def test_the_loop_detector_sees_a_loop_and_ignores_a_docstring():
+    assert has_training_loop("def f(m, o):\n    m().backward()\n    o.step()\n")
+    assert not has_training_loop('"""loss.backward(); optimizer.step()"""\n')
