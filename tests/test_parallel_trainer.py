@@ -280,3 +280,15 @@ def test_a_bad_layout_is_one_line_last_on_screen_under_torchrun(tmp_path, flags,
     assert result.stderr.count("Traceback (most recent call last)") <= 1, result.stderr[-3000:]
     assert last_line(result).endswith(message), result.stderr[-3000:]
     assert not (tmp_path / "run").exists() or not list((tmp_path / "run").glob("ckpt-*"))
+
+
+def test_without_a_launcher_it_trains_as_one_process(tmp_path):
+    """`python parallel_trainer.py`: no torchrun, a group of one, the same code path."""
+    result = subprocess.run(
+        [sys.executable, "snippets/training/parallel_trainer.py", "--model-size", "tiny",
+         "--data", "dummy", "--max-steps", "2", "--seq-len", "16", "--out", str(tmp_path / "run")],
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "layout dp 1 x pp 1 x cp 1 x tp 1" in result.stdout
+    assert (tmp_path / "run" / "latest").exists()

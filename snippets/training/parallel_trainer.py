@@ -66,6 +66,10 @@ class ParallelTrainer(DistributedTrainer):
         self.rank_log = None  # a file for this rank's per-step records (main sets it)
         seq_len = train_config.seq_len or model_config.max_position_embeddings
         layout.check(model_config, seq_len, int(os.environ.get("WORLD_SIZE", 1)))
+        if "WORLD_SIZE" not in os.environ and not dist.is_initialized():
+            # `python parallel_trainer.py`, no launcher: a group of one, so that the same code
+            # (groups, collectives) runs; every collective over one rank returns at once.
+            dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         super().__init__(model_config, train_config, device)
 
     def _wrap_model(self, model: nn.Module) -> nn.Module:
