@@ -22,6 +22,7 @@ from snippets.scratch.parallelize import Layout
 from snippets.scratch.three_d_check import tolerance
 from snippets.training.ddp_trainer import DistributedTrainer, TrainConfig
 from snippets.training.parallel_trainer import LibraryParallelTrainer, ParallelTrainer
+from tests.test_parallel_trainer import assert_same, one_process_state
 
 STEPS, MICRO_BATCH, MICRO_BATCHES, SEQ = 3, 2, 2, 16
 CONFIG = get_config("tiny", num_hidden_layers=4, max_position_embeddings=SEQ)
@@ -107,22 +108,6 @@ def one_process_sgd(dp: int) -> tuple[dict, list, float]:
     losses = run_steps(trainer, STEPS)
     state = trainer.raw_model.state_dict()
     return state, losses, max((state[k] - init[k]).abs().max().item() for k in state)
-
-
-def one_process_state(trainer) -> dict:
-    """A DistributedTrainer's weights and AdamW moments, by parameter name."""
-    state = {"param": trainer.raw_model.state_dict(), "exp_avg": {}, "exp_avg_sq": {}}
-    for name, param in trainer.raw_model.named_parameters():
-        for key in ("exp_avg", "exp_avg_sq"):
-            state[key][name] = trainer.optimizer.state[param][key]
-    return state
-
-
-def assert_same(gathered: dict, expected: dict) -> None:
-    for key in ("param", "exp_avg", "exp_avg_sq"):
-        assert expected[key], key
-        for name, tensor in expected[key].items():
-            assert torch.equal(gathered[key][name], tensor), (key, name)
 
 
 @pytest.fixture(scope="module")
