@@ -160,13 +160,6 @@ def rows(bars):
     return placed, max(len(ends), 1)
 
 
-def nice_step(span_ms: float) -> float:
-    for step in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000):
-        if span_ms / step <= 10:
-            return step
-    return 2000
-
-
 def render(record: dict | None = None) -> str:
     """The figure, from `record` or, by default, from the committed record of one run."""
     if record is None:
@@ -212,7 +205,7 @@ def render(record: dict | None = None) -> str:
             body.append(svg.line(x(b1), top - 3, x(b1), y + 3, stroke="#c0392b", width=2,
                                  extra=' stroke-dasharray="4 3"'))
             y += GAP
-        step = nice_step(span / 1e3)  # the time axis, in milliseconds
+        step = svg.nice_step(span / 1e3)  # the time axis, in milliseconds
         body.append(svg.line(LEFT, y - 6, x(span), y - 6))
         for k in range(int(span / 1e3 // step) + 1):
             tx = x(k * step * 1e3)

@@ -225,13 +225,6 @@ LEFT, RIGHT, WIDTH, LANE, GAP, TOP = 190, 24, 980, 26, 10, 40
 F_FILL, B_FILL, AFTER_FILL = "#dbe9f6", "#1f4e79", "#e8e8e8"
 
 
-def nice_step(span_ms: float) -> float:
-    for step in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000):
-        if span_ms / step <= 10:
-            return step
-    return 2000
-
-
 def render(record: dict | None = None) -> str:
     """The figure, from `record` or, by default, from the committed record of one run."""
     if record is None:
@@ -243,7 +236,7 @@ def render(record: dict | None = None) -> str:
     def x(t):
         return LEFT + t * scale
 
-    body = [svg.text(16, 16, f"One step of the parallel trainer, "
+    body = [svg.text(16, 16, "One step of the parallel trainer, "
                      + " x ".join(f"{a.upper()} {lay[a]}" for a in AXES if lay[a] > 1)
                      + f", {micro_batches(record)} micro-batches: what each rank computed, when",
                      size=15, anchor="start", weight="bold")]
@@ -272,7 +265,7 @@ def render(record: dict | None = None) -> str:
                                      fill="#ffffff" if dark else "#111111"))
         y += LANE + 4
     y += 6  # the time axis, in milliseconds from the first rank's step start
-    step = nice_step(span * 1e3)
+    step = svg.nice_step(span * 1e3)
     body.append(svg.line(LEFT, y, x(span), y))
     for k in range(int(span * 1e3 // step) + 1):
         tx = x(k * step / 1e3)

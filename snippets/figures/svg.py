@@ -11,6 +11,14 @@ OUT_DIR = ROOT / "docs" / "assets" / "figures"
 FONT = "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\""
 
 
+def nice_step(span_ms: float) -> float:
+    """A time axis's tick spacing in ms: 1, 2 or 5 times a power of ten, at most 10 ticks."""
+    for step in (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000):
+        if span_ms / step <= 10:
+            return step
+    return 2000
+
+
 def num(x: float) -> str:
     """A coordinate without float noise: 12 -> '12', 12.5 -> '12.5'."""
     return f"{x:.2f}".rstrip("0").rstrip(".")
