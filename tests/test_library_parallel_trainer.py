@@ -179,9 +179,11 @@ def test_a_library_checkpoint_loads_in_one_process_and_in_the_scratch_trainer(
 
 
 @pytest.mark.parametrize("layout,micro_batches,message", [
-    (Layout(dp=2, cp=2), 2, "--cp with --library: sequence and context parallelism and "
-                            "interleaved stages are scratch-only for now; drop --library, or "
-                            "drop those flags"),
+    (Layout(dp=2, cp=2), 2, "--cp with --library: sequence and context parallelism, "
+                            "interleaved stages and the scratch ZeRO-1 are scratch-only "
+                            "(--library's FSDP2 shards everything over DP already); drop "
+                            "--library, or drop those flags"),
+    (Layout(dp=2, zero=1), 2, "--zero with --library"),
     (Layout(tp=2, sp=True, pp=2, virtual_stages=2), 4, "--sp, --virtual-stages with --library"),
     (Layout(pp=4), 2, "--library runs torch's Schedule1F1B, which needs at least as many "
                       "micro-batches as stages: --grad-accum-steps 2 < --pp 4; use "

@@ -52,12 +52,14 @@ FULL = StateDictOptions(full_state_dict=True)  # whole tensors, not this rank's 
 def check_library_layout(layout, micro_batches: int) -> None:
     """What the library parts do not cover yet, each a one-line error naming the fix."""
     scratch_only = [flag for flag, used in (("--cp", layout.cp > 1), ("--sp", layout.sp),
-                                            ("--virtual-stages", layout.virtual_stages > 1))
+                                            ("--virtual-stages", layout.virtual_stages > 1),
+                                            ("--zero", layout.zero > 0))
                     if used]
     if scratch_only:
         raise ConfigError(f"{', '.join(scratch_only)} with --library: sequence and context "
-                          "parallelism and interleaved stages are scratch-only for now; drop "
-                          "--library, or drop those flags")
+                          "parallelism, interleaved stages and the scratch ZeRO-1 are "
+                          "scratch-only (--library's FSDP2 shards everything over DP "
+                          "already); drop --library, or drop those flags")
     if micro_batches < layout.pp:
         raise ConfigError(f"--library runs torch's Schedule1F1B, which needs at least as many "
                           f"micro-batches as stages: --grad-accum-steps {micro_batches} < --pp "

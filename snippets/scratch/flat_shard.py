@@ -34,7 +34,8 @@ class CommStats:
     ZeRO paper's analysis uses, and the lower bounds for large messages.
     """
 
-    def __init__(self):
+    def __init__(self, group=None):
+        self.group = group  # the ranks that share the shards: None means every rank
         self.bytes = defaultdict(int)  # collective name -> bytes sent by this rank
         self.calls = defaultdict(int)
 
@@ -43,7 +44,7 @@ class CommStats:
         self.calls.clear()
 
     def count(self, kind: str, full: torch.Tensor) -> None:
-        n = dist.get_world_size()
+        n = dist.get_world_size(self.group)
         share = {"all_reduce": 2 * (n - 1) / n, "all_gather": (n - 1) / n,
                  "reduce_scatter": (n - 1) / n}[kind]
         self.bytes[kind] += round(share * full.numel() * full.element_size())
@@ -51,17 +52,17 @@ class CommStats:
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         self.count("all_reduce", tensor)
-        dist.all_reduce(tensor)
+        dist.all_reduce(tensor, group=self.group)
 
     def all_gather(self, full: torch.Tensor, shard: torch.Tensor) -> None:
         """full <- every rank's shard, end to end (rank r's at offset r * shard.numel())."""
         self.count("all_gather", full)
-        dist.all_gather_single(full, shard)
+        dist.all_gather_single(full, shard, group=self.group)
 
     def reduce_scatter(self, shard: torch.Tensor, full: torch.Tensor) -> None:
         """shard <- the sum over ranks of this rank's slice of full."""
         self.count("reduce_scatter", full)
-        dist.reduce_scatter_single(shard, full)
+        dist.reduce_scatter_single(shard, full, group=self.group)
 
     def total(self) -> int:
         return sum(self.bytes.values())
@@ -72,10 +73,11 @@ class CommStats:
 class FlatShard:
     """A group of parameters laid end to end in one flat buffer, padded with zeros to a multiple
     of the world size N, so that it splits into N equal contiguous shards; rank r owns
-    flat[r * S:(r + 1) * S]. Afterwards the parameters are views into `full`, so writing
+    flat[r * S:(r + 1) * S]. With a process group, N and r are the group's size and this rank's
+    place in it (the parallel trainer shards over its DP ranks). Afterwards the parameters are views into `full`, so writing
     into `full` (an all-gather) writes the model's weights."""
 
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], group=None):
         if not dist.is_initialized():
             raise RuntimeError(
                 "ZeRO shards across the ranks of a process group, and none is initialised: call "
@@ -91,7 +93,7 @@ class FlatShard:
         self.params = params
         self.sizes = [p.numel() for p in params]
         self.numel = sum(self.sizes)
-        world, rank = dist.get_world_size(), dist.get_rank()
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
         self.shard_numel = math.ceil(self.numel / world)  # the last shard carries the padding
         self.lo, self.hi = rank * self.shard_numel, (rank + 1) * self.shard_numel
         self.full = torch.zeros(self.shard_numel * world, dtype=params[0].dtype,
@@ -100,7 +102,7 @@ class FlatShard:
             torch.cat([p.reshape(-1) for p in params], out=self.full[:self.numel])
         # Replicas must start equal, as in DDP: everyone takes rank 0's initial weights (once,
         # at construction, so CommStats does not count it as per-step traffic).
-        dist.broadcast(self.full, src=0)
+        dist.broadcast(self.full, group=group, group_src=0)
         for p, view in zip(params, self.unflatten(self.full)):
             p.data = view  # the parameter now lives inside the flat buffer
 

@@ -45,6 +45,7 @@ class Layout:
     cp: int = 1
     sp: bool = False            # sequence parallelism inside the TP group (needs tp >= 2)
     virtual_stages: int = 1     # model chunks per pipeline rank (interleaved 1F1B when > 1)
+    zero: int = 0               # 1: the optimizer's state sharded over the DP ranks (ZeRO-1)
 
     def __post_init__(self):
         for axis in ("dp", "tp", "pp", "cp", "virtual_stages"):
@@ -54,6 +55,10 @@ class Layout:
         if self.sp and self.tp < 2:
             raise ConfigError("--sp splits the sequence inside the tensor-parallel group: "
                               "it needs --tp 2 or more")
+        if self.zero not in (0, 1):
+            raise ConfigError(f"--zero {self.zero}: the scratch parts shard the optimizer state "
+                              "(--zero 1) or nothing (--zero 0); for ZeRO-3, weights and "
+                              "gradients sharded too, pass --library (FSDP2 over the DP ranks)")
         if self.virtual_stages > 1 and self.pp < 2:
             raise ConfigError("--virtual-stages interleaves chunks over pipeline ranks: it "
                               "needs --pp 2 or more")

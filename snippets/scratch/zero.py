@@ -83,6 +83,89 @@ class ZeRO1Optimizer:
 # --8<-- [end:zero1]
 
 
+# --8<-- [start:sharded-optimizer]
+class ShardedOptimizer:
+    """ZeRO-1 inside a trainer (training/parallel_trainer.py --zero 1): any torch optimizer,
+    each of its param groups laid end to end in a FlatShard over `group` (the DP ranks), and
+    stepped on this rank's slice only.
+
+    ZeRO1Optimizer above averages the gradients itself. A trainer averages them earlier, in its
+    forward_backward, and clips their global norm before it steps; what ZeRO-1 adds after that
+    is its own part: the update of one shard, with the optimizer's state for that shard only,
+    and the all-gather of the updated shards."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group=None,
+                 comm: CommStats | None = None):
+        self.comm = comm or CommStats(group)
+        self.flats, groups = [], []
+        for options in optimizer.param_groups:
+            flat = FlatShard(options["params"], group)
+            grads = torch.zeros_like(flat.full)  # each p.grad a view into it, as in ZeRO1
+            for p, g in zip(flat.params, flat.unflatten(grads)):
+                p.grad = g
+            shard = nn.Parameter(flat.local(flat.full))
+            shard.grad = flat.local(grads)
+            self.flats.append((flat, grads, shard))
+            groups.append({**options, "params": [shard]})
+        self.optimizer = type(optimizer)(groups)  # the same optimizer, settings and groups
+        self.param_groups = self.optimizer.param_groups  # the trainer sets the lr here
+
+    @torch.no_grad()
+    def step(self) -> None:
+        for flat, grads, _ in self.flats:
+            for p, g in zip(flat.params, flat.unflatten(grads)):
+                if p.grad is not None and p.grad.data_ptr() != g.data_ptr():
+                    g.copy_(p.grad)  # backward replaced the view: back into the buffer
+                    p.grad = g
+        self.optimizer.step()  # this rank's slice of every group, its state for it only
+        for flat, _, _ in self.flats:
+            self.comm.all_gather(flat.full, flat.local(flat.full))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero in place whatever set_to_none says: the gradients stay views into the flat
+        buffers that the shards' gradients are slices of."""
+        for _, grads, _ in self.flats:
+            grads.zero_()
+
+    def full_state(self) -> dict:
+        """{parameter: its optimizer state} as a one-process optimizer would hold it: every
+        per-element tensor (AdamW's two moments, SGD's momentum) all-gathered over the group
+        and cut back into the parameters' shapes; scalars (AdamW's step) as they are. Every
+        rank of the group calls it."""
+        out = {}
+        for flat, _, shard in self.flats:
+            per_param = [{} for _ in flat.params]
+            for key, value in self.optimizer.state.get(shard, {}).items():
+                if value.shape != shard.shape:
+                    full_pieces = [value.clone() for _ in flat.params]
+                else:
+                    full = torch.empty_like(flat.full)
+                    self.comm.all_gather(full, value.contiguous())
+                    full_pieces = [t.clone() for t in flat.unflatten(full)]
+                for state, piece in zip(per_param, full_pieces):
+                    state[key] = piece
+            out.update(zip(flat.params, per_param))
+        return out
+
+    def load_full_state(self, states: dict) -> None:
+        """The inverse of full_state: {parameter: its optimizer state} -> this rank's slices.
+        Parameters missing from `states` leave their group's state empty (a fresh start)."""
+        for flat, _, shard in self.flats:
+            if not all(p in states for p in flat.params):
+                continue
+            shard_state = {}
+            for key, value in states[flat.params[0]].items():
+                if value.dim() == 0:
+                    shard_state[key] = value.clone()
+                    continue
+                full = torch.zeros_like(flat.full)
+                torch.cat([states[p][key].reshape(-1) for p in flat.params],
+                          out=full[:flat.numel])
+                shard_state[key] = flat.local(full).clone()
+            self.optimizer.state[shard] = shard_state
+# --8<-- [end:sharded-optimizer]
+
+
 # --8<-- [start:zero2]
 class ZeRO2Optimizer:
     """Stage 2: + each rank keeps only its shard of the averaged gradients.

@@ -5,6 +5,7 @@
     ... --sp                  sequence parallelism inside each TP group
     ... --cp 2                context parallelism: ring attention over the sequence
     ... --virtual-stages 2    interleaved 1F1B: two model chunks per pipeline rank
+    ... --zero 1              ZeRO-1: AdamW's state sharded over the DP replicas
 
 Everything about the run is DistributedTrainer's (ddp_trainer.py): the flags, the data, AdamW,
 the lr schedule, train_step, the checkpoint manager and the run protocol (resume, refuse to
@@ -47,6 +48,7 @@ from snippets.scratch.parallelize import (Layout, counted_in_norm, gradient_grou
 from snippets.scratch.pipeline import one_f_one_b_schedule, run_schedule, sync_tied_embedding_grads
 from snippets.scratch.pipeline_interleaved import interleaved_schedule, run_interleaved
 from snippets.scratch.three_d import average_gradients, build_groups
+from snippets.scratch.zero import ShardedOptimizer
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager, capture_rng_state,
                                           config_diff, restore_rng_state)
 from snippets.training.checkpoint import load_checkpoint as load_verified
@@ -84,6 +86,14 @@ class ParallelTrainer(DistributedTrainer):
         self.raw_model = local  # what the optimizer and the checkpoints see: this rank's part
         self.buckets = make_buckets(local, bucket_cap_mb=25)
         return local
+
+    def _setup_optimizer(self):
+        """DistributedTrainer's AdamW over this rank's parameters; with --zero 1 the same
+        AdamW, its state sharded over the DP replicas (scratch/zero.py)."""
+        optimizer = super()._setup_optimizer()
+        if self.layout.zero == 1:
+            return ShardedOptimizer(optimizer, self.groups["dp"])
+        return optimizer
 
     @property
     def replicas(self) -> int:  # each DP replica takes its own rows of the global batch
@@ -157,10 +167,10 @@ class ParallelTrainer(DistributedTrainer):
         """The plain model's state_dict and AdamW's moments under the same names, rebuilt on
         rank 0 from replica 0's shards (None elsewhere): TP shards concatenated along the
         dimension they were cut, the stages merged."""
-        mine = {}
+        mine, states = {}, self.optimizer_state()
         if self.coords["dp"] == 0 and self.coords["cp"] == 0:
             for name, param in local_parameters(self.chunks):
-                moments = self.optimizer.state.get(param, {})
+                moments = states.get(param, {})
                 mine[name] = {"param": param.detach().cpu(), "tp": self.coords["tp"],
                               "dim": self.shard_dims.get(name),
                               **{k: v.cpu() for k, v in moments.items()}}
@@ -188,6 +198,13 @@ class ParallelTrainer(DistributedTrainer):
         steps = [shards[0]["step"] for shards in full.values() if "step" in shards[0]]
         state["adam_step"] = steps[0] if steps else None
         return state
+
+    def optimizer_state(self) -> dict:
+        """{parameter: its optimizer state}: AdamW's own, or with --zero 1 the DP shards'
+        gathered (a collective over the DP group)."""
+        if isinstance(self.optimizer, ShardedOptimizer):
+            return self.optimizer.full_state()
+        return self.optimizer.state
 
     def one_process_order(self) -> tuple[list[str], list[dict]]:
         """The plain model's parameter names in the order a one-process DistributedTrainer's
@@ -230,15 +247,20 @@ class ParallelTrainer(DistributedTrainer):
                                   "use the --model-size it was trained with")
         order, _ = self.one_process_order()
         moments = {order[i]: entry for i, entry in state["optimizer"]["state"].items()}
+        states = {}
         for name, param in local_parameters(self.chunks):
             param.data.copy_(self.my_slice(name, state["model"][name]))
             # the output head of a later stage is the tied embedding: its moments are those
             owner = "embed_tokens.weight" if name not in order else name
             if owner in moments:
-                self.optimizer.state[param] = {
+                states[param] = {
                     "step": moments[owner]["step"].clone(),
                     "exp_avg": self.my_slice(name, moments[owner]["exp_avg"]).clone(),
                     "exp_avg_sq": self.my_slice(name, moments[owner]["exp_avg_sq"]).clone()}
+        if isinstance(self.optimizer, ShardedOptimizer):
+            self.optimizer.load_full_state(states)  # this DP rank's slices of them
+        else:
+            self.optimizer.state.update(states)
         self.sampler.load_state_dict(state["sampler"])
         restore_rng_state(state["rng"])
         self.step = state["step"]
@@ -298,6 +320,9 @@ def parse_args(argv: list[str] | None = None):
     p.add_flag("sp", action="store_true", help="sequence parallelism in the TP groups")
     p.add_flag("virtual-stages", type=int_at_least(1), default=1,
                help="model chunks per pipeline rank (interleaved 1F1B when > 1)")
+    p.add_flag("zero", type=int_at_least(0), default=0,
+               help="1: shard AdamW's state over the DP replicas (ZeRO-1); ZeRO-3 is "
+                    "--library's FSDP2")
     p.add_flag("library", action="store_true",
                help="PyTorch's parts (DeviceMesh, DTensor TP, FSDP2, pipelining) instead of "
                     "the scratch ones; dp, tp and pp only")
@@ -311,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         device, device_note = pick_trainer_device(args.device)
         layout = Layout(dp=args.dp, tp=args.tp, pp=args.pp, cp=args.cp, sp=args.sp,
-                        virtual_stages=args.virtual_stages)
+                        virtual_stages=args.virtual_stages, zero=args.zero)
         trainer_class = LibraryParallelTrainer if args.library else ParallelTrainer
         trainer = trainer_class(get_config(args.model_size), train_config_from_args(args),
                                 layout, device)
@@ -330,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{trainer.parameters_here():,} parameters here",
           flush=True)
     trainer.log(f"layout dp {layout.dp} x pp {layout.pp} x cp {layout.cp} x tp {layout.tp}"
-                f"{' + sp' if layout.sp else ''}, {layout.virtual_stages} chunk(s) per stage | "
+                f"{' + sp' if layout.sp else ''}, {layout.virtual_stages} chunk(s) per stage"
+                f"{', ZeRO-1 over dp' if layout.zero else ''} | "
                 f"{trainer.tokens_per_step:,} tokens per step ({tc.grad_accum_steps} "
                 f"micro-batches of {tc.batch_size} per replica; "
                 f"{'library' if args.library else 'scratch'} parts)")
