@@ -34,6 +34,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from snippets.data.corpus import DataError
 from snippets.dist import run_main
@@ -299,9 +300,17 @@ class ParallelTrainer(DistributedTrainer):
     def parameters_here(self) -> int:
         return sum(p.numel() for _, p in local_parameters(self.chunks))
 
-    def memory_per_rank(self) -> list[float]:
+    def optimizer_values_here(self) -> int:
+        """How many numbers this rank's optimizer keeps: AdamW's two moments for every value
+        it steps; with --zero 1, for this DP rank's shard only."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # ShardedOptimizer's
+        tensors = [t for state in inner.state.values() for t in state.values() if t.dim() > 0]
+        # --library: FSDP2's moments are DTensors, whose numel() is the whole tensor's
+        return sum((t.to_local() if isinstance(t, DTensor) else t).numel() for t in tensors)
+
+    def per_rank(self, value) -> list:
         every = [None] * self.world_size
-        dist.all_gather_object(every, round(self.peak_memory_mib(), 1))
+        dist.all_gather_object(every, value)
         return every
     # --8<-- [end:logs]
 
@@ -361,7 +370,9 @@ def main(argv: list[str] | None = None) -> int:
                 f"micro-batches of {tc.batch_size} per replica; "
                 f"{'library' if args.library else 'scratch'} parts)")
     status = train(trainer, args, save=lambda: save_step(trainer, manager))
-    memory = trainer.memory_per_rank()
+    memory = trainer.per_rank(round(trainer.peak_memory_mib(), 1))
+    values = trainer.per_rank(trainer.optimizer_values_here())
+    trainer.log(f"optimizer state per rank (values): {' | '.join(f'{v:,}' for v in values)}")
     trainer.log(f"peak memory per rank (MiB): {memory} | per-rank logs in {logs}")
     return status
 # --8<-- [end:main]
