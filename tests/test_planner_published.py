@@ -251,10 +251,15 @@ def llama3_layout(cp, dp, seq_len, micro_batches):
     Where the paper is silent, assumed: micro-batches of one sequence (Table 4 gives the batch
     per DP rank, not the micro-batch), sequence parallelism with TP, and the file's one kernel
     efficiency. It interleaves its pipeline but does not state the chunks per rank: this plan
-    has none (v = 1), the most bubble and the least activation memory any v gives."""
+    has none (v = 1), the most bubble and the least activation memory any v gives.
+    Context parallelism, also stated: all-gather based, not a ring, and "the all-gather
+    communication latency is exposed in the critical path": cp_overlap off. MFU counts
+    attention's full score matrix, PaLM's definition, which the paper cites ("MFU; Chowdhery et
+    al. (2023)"); the step executes the causal half (flash attention). The paper's document
+    mask, which cuts the executed attention further, is not modelled."""
     model = cm.MODELS["llama-405b"]
     p = plan(dp=dp, tp=8, pp=16, cp=cp, sp=True, zero_stage=2, recompute="none",
-             micro_batches=micro_batches, seq_len=seq_len)
+             micro_batches=micro_batches, seq_len=seq_len, cp_overlap=False)
     return cm.plan_training(model, p, H100)
 
 

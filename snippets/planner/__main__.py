@@ -59,7 +59,10 @@ def parse_args(argv=None):
                         "per parameter instead of the precision's")
     p.add_argument("--sp", action="store_true", help="sequence parallelism (with --tp)")
     p.add_argument("--recompute", nargs="?", const="full", default="none",
-                   choices=("none", "selective", "full"), help="bare --recompute means full")
+                   choices=("none", "selective", "full"),
+                   help="bare --recompute means full; selective keeps the matmuls' and attention's "
+                        "outputs and recomputes the cheap ops (llama: norms, RoPE, SiLU; gpt3: "
+                        "attention's softmax and dropout)")
     p.add_argument("--no-cp-overlap", dest="cp_overlap", action="store_false",
                    help="ring attention's K/V exchange not hidden behind attention's compute")
     p.add_argument("--ep-overlap", action="store_true",
@@ -68,7 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--mfu", type=checked(float, lambda v: 0 < v <= 1, "a number in (0, 1]"),
                    default=0.4, help="fraction of peak FLOP/s the matmuls reach while they run")
     p.add_argument("--flops", choices=FLOP_CONVENTIONS, default=FLOP_CONVENTIONS[0],
-                   help="what MFU counts: matmuls and attention, matmuls only, or 6 x parameters")
+                   help="what MFU counts: matmuls and attention's full score matrix (PaLM, "
+                        "Megatron-LM's papers, Llama 3), with its causal half (Megatron-LM's code), "
+                        "matmuls only, or 6 x parameters; step time always counts what the "
+                        "kernels run (causal for llama)")
     return p.parse_args(argv)
 
 

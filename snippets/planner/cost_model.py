@@ -338,9 +338,10 @@ def model_state_bytes(model, plan, stage):
 
 # --8<-- [start:activations]
 def recompute_mode(plan):
-    """"none", "selective" (recompute only attention's softmax and dropout, keep the rest) or
-    "full" (keep only each block's input); True and False mean "full" and "none", and a plan
-    without the key (stage_messages' callers) none."""
+    """"none", "selective" (keep the matmuls' outputs, recompute what is cheap: for the "gpt3"
+    block attention's softmax and dropout, for the "llama" block the elementwise ops; see
+    activation_bytes_per_layer) or "full" (keep only each block's input); True and False mean
+    "full" and "none", and a plan without the key (stage_messages' callers) none."""
     mode = option(plan, "recompute", False)
     if mode == True:  # noqa: E712 (a string is neither True nor False)
         return "full"
@@ -376,7 +377,24 @@ def activation_bytes_per_layer(model, plan):
       (e), dropout mask (1 byte), dropout output (e). With e = 2, kv = h and intermediate =
       4h: sbh(34 + 5as/h).
     Tensor parallelism splits the inside tensors tp ways, sequence parallelism the outside ones.
-    Selective recomputation drops the scores; full recomputation keeps only the block's input.
+    Full recomputation keeps only the block's input. Selective recomputation:
+    - "gpt3": drops the scores (Korthikanti et al. 2022, section 5: recompute attention's
+      softmax, dropout and score matmuls; Megatron-Core's recompute_modules=["core_attn"]);
+    - "llama": flash attention keeps no scores, so that would drop nothing (Megatron-Core warns
+      as much: "For fused attention, you have no need to set 'core_attn' to recompute",
+      megatron/core/transformer/transformer_config.py). Selective here keeps the outputs of the
+      matmuls and of attention and recomputes the elementwise ops from them: the two RMSNorms,
+      RoPE, SiLU and the gate-up product. This is TorchTitan's op-level save list (aten.mm, the
+      scaled_dot_product_attention ops, reduce_scatter_tensor;
+      torchtitan/distributed/activation_checkpoint.py) without its rule of recomputing every
+      second matmul, and what Megatron-Core's output-discarding "layernorm" (and, for experts,
+      "moe_act") recompute modules do. Kept per token: the block's input, the reduced outputs
+      of the attention and MLP projections (o and down: they rebuild the residual stream the
+      second norm reads; with TP the policy keeps them after the all-reduce or reduce-scatter,
+      as TorchTitan keeps reduce_scatter_tensor's output, so the recompute sends nothing),
+      3h outside; q, k, v, the attention output, gate and up, (2h + 2kv + 2 x intermediate)
+      inside, and the fp32 softmax statistic. snippets/planner/memory.py's SELECTIVE_SAVE is
+      the policy, and tests/test_planner.py measures it on the course's block.
     """
     h, f, heads = model["hidden_size"], model["intermediate_size"], model["num_attention_heads"]
     kv = model["num_key_value_heads"] * (h // heads)
@@ -391,6 +409,9 @@ def activation_bytes_per_layer(model, plan):
         inside = (2 * h + 2 * kv + 2 * f) * element
         if mode != "selective":
             inside = inside + heads * plan["seq_len"] * (2 * element + 1)
+    elif mode == "selective":
+        outside = 3 * h * element
+        inside = (2 * h + 2 * kv + 2 * f) * element + 4 * heads
     else:
         outside = 6 * h * element + 2 * 4
         inside = (2 * h + 2 * kv + 4 * f) * element + 4 * heads
@@ -401,13 +422,17 @@ def moe_activation_bytes_per_layer(model, plan):
     """What an MoE block saves beyond a dense one, per micro-batch: its MLP tensors are those
     of experts_per_token + shared_experts experts of width moe_intermediate_size instead of one
     MLP of width intermediate_size, plus each routed copy of the token going into an expert and
-    its output coming back (2 x experts_per_token x h), kept for the combine's backward."""
+    its output coming back (2 x experts_per_token x h), kept for the combine's backward. Under
+    selective recomputation a "llama" expert keeps gate and up only (SiLU and the product are
+    recomputed), and the routed copies stay (TorchTitan's save list keeps all_to_all_single's
+    output, so that the recompute sends nothing). Counted, not measured: the course has no
+    MoE block under this policy."""
     if recompute_mode(plan) == "full":
         return 0
     tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
     element = PRECISIONS[plan["precision"]]["activations"]
     per_mlp = 4
-    if is_gpt3(model):
+    if is_gpt3(model) or recompute_mode(plan) == "selective":
         per_mlp = 2
     k, h = model["experts_per_token"], model["hidden_size"]
     width = (k + option(model, "shared_experts", 0)) * model["moe_intermediate_size"]
@@ -476,7 +501,7 @@ def activation_bytes(model, plan, stage):
 
 
 # --8<-- [start:flops]
-FLOP_CONVENTIONS = ("matmuls+attention", "matmuls", "6N")
+FLOP_CONVENTIONS = ("matmuls+attention", "matmuls+causal-attention", "matmuls", "6N")
 
 
 def matmul_parameters(model):
@@ -494,34 +519,75 @@ def matmul_parameters(model):
             + model["vocab_size"] * model["hidden_size"])
 
 
-def training_flops_per_token(model, seq_len):
-    """6 FLOPs per matmul parameter per token (2 forward, 4 backward) plus attention's two
-    seq_len x seq_len matmuls, q.k and probs.v: 6 x layers x seq_len x (their widths summed
-    over heads: 2 x hidden, or the model's attention_width), the full (non-causal) score
-    matrix, as Narayanan et al. 2021 count it: 12 x layers x seq_len x hidden (see
-    snippets/planner/flops.py)."""
+def attention_flops_per_token(model, seq_len, causal):
+    """Attention's two seq_len x seq_len matmuls, q.k and probs.v, per token, forward and
+    backward: 6 x layers x seq_len x (their widths summed over heads: 2 x hidden, or the
+    model's attention_width), 12 x layers x seq_len x hidden for the full score matrix.
+    causal: half of it. Under a causal mask query t meets only t + 1 keys, seq_len(seq_len+1)/2
+    pairs in all, taken as seq_len^2/2 (a flash-attention kernel also computes the tiles on the
+    diagonal whole, a few per cent more at these lengths)."""
     width = option(model, "attention_width", 2 * model["hidden_size"])
-    return 6 * matmul_parameters(model) + 6 * model["num_hidden_layers"] * seq_len * width
+    flops = 6 * model["num_hidden_layers"] * seq_len * width
+    if causal:
+        return flops / 2
+    return flops
+
+
+def executes_causal_attention(model):
+    """Whether the block's attention kernel skips the masked half of the score matrix. "llama"
+    (flash attention, the course's scaled_dot_product_attention with is_causal=True) skips the
+    tiles above the diagonal. "gpt3" (Megatron-LM 2021's attention, the one that stores its
+    scores) computes the whole seq_len x seq_len product (a baddbmm), then masks it in the
+    softmax, so it does the full count's work."""
+    return not is_gpt3(model)
+
+
+def training_flops_per_token(model, seq_len):
+    """Model FLOPs per token: 6 per matmul parameter (2 forward, 4 backward) plus attention's
+    score matmuls over the full (non-causal) matrix, as Narayanan et al. 2021 (eq. 3), PaLM
+    (Chowdhery et al. 2022, appendix B: 6N + 12LHQT) and TorchTitan
+    (torchtitan/models/utils.py: "we follow the convention and do not account for sparsity in
+    causal attention") count them: 6N + 12 x layers x seq_len x hidden (see
+    snippets/planner/flops.py). The numerator of MFU by default; not what a causal kernel
+    runs (executed_flops_per_token)."""
+    return 6 * matmul_parameters(model) + attention_flops_per_token(model, seq_len, False)
 
 
 def model_flops_per_token(model, plan):
-    """The numerator of MFU, by the plan's convention: "matmuls+attention" (the default, as
-    above), "matmuls" (attention's score matmuls left out), or "6N" (6 x every parameter,
-    embeddings included, no attention: the Kaplan et al. 2020 count). Never recomputation."""
+    """The numerator of MFU, by the plan's convention, so that a paper's MFU is compared with
+    the count it states:
+    - "matmuls+attention" (the default): training_flops_per_token, the full score matrix.
+      Narayanan et al. 2021 (eq. 3), Korthikanti et al. 2022 and PaLM (appendix B) count it
+      so, and Llama 3 reports "BF16 Model FLOPs Utilization (MFU; Chowdhery et al. (2023))",
+      PaLM's definition (arXiv:2407.21783, section 3.3.2);
+    - "matmuls+causal-attention": the score matmuls halved by the causal mask, as Megatron-LM
+      counts them today (megatron/training/training.py, num_floating_point_operations: "causal
+      mask (only half of the mask is non-zero)");
+    - "matmuls": attention's score matmuls left out;
+    - "6N": 6 x every parameter, embeddings included, no attention (Kaplan et al. 2020).
+    Never recomputation. Step time does not depend on it: see executed_flops_per_token."""
     convention = option(plan, "flops", "matmuls+attention")
     if convention == "6N":
         return 6 * parameter_count(model)
     if convention == "matmuls":
         return 6 * matmul_parameters(model)
+    if convention == "matmuls+causal-attention":
+        return 6 * matmul_parameters(model) + attention_flops_per_token(model, plan["seq_len"],
+                                                                          True)
     return training_flops_per_token(model, plan["seq_len"])
 
 
 def executed_flops_per_token(model, plan):
-    """What the GPUs really compute: training FLOPs plus recomputation. Full recomputation runs
-    every forward again (+1/3); selective recomputation runs attention's score matmuls forward
-    again (4 x seq_len x hidden per layer), which a "llama" block's flash attention already
-    does inside its backward kernel."""
-    flops = training_flops_per_token(model, plan["seq_len"])
+    """What the GPUs really compute, whatever MFU counts: the matmuls, attention's score
+    matmuls as the block's kernel runs them (half the matrix for a causal flash kernel, all
+    of it for the "gpt3" block: executes_causal_attention), and recomputation. Full
+    recomputation runs every forward again (+1/3). Selective recomputation: the "gpt3" block
+    runs attention's score matmuls forward again (4 x seq_len x hidden per layer, the full
+    matrix as that block computes it); the "llama" block reruns only elementwise ops (norms,
+    RoPE, SiLU, products: see activation_bytes_per_layer), a few FLOPs per element against
+    thousands per token in the matmuls, counted as zero. Step time uses this count."""
+    flops = 6 * matmul_parameters(model) + attention_flops_per_token(
+        model, plan["seq_len"], executes_causal_attention(model))
     mode = recompute_mode(plan)
     if mode == "full":
         return flops * 4 / 3
@@ -531,15 +597,17 @@ def executed_flops_per_token(model, plan):
 
 
 def block_flops_per_token(model, plan, moe):
-    """Training FLOPs of one block per token, as training_flops_per_token counts them: a dense
-    block, or (moe True) an MoE block with only its active experts."""
-    width = option(model, "attention_width", 2 * model["hidden_size"])
+    """FLOPs one block executes per token in forward and backward, recomputation aside, as
+    executed_flops_per_token counts them: a dense block, or (moe True) an MoE block with only
+    its active experts."""
     params = matmul_parameters_per_layer(model)
     if moe:
         params = (attention_parameters(model) + model["hidden_size"] * model["num_experts"]
                   + (option(model, "shared_experts", 0) + model["experts_per_token"])
                   * expert_parameters(model))
-    return 6 * params + 6 * plan["seq_len"] * width
+    attention = attention_flops_per_token(model, plan["seq_len"],
+                                          executes_causal_attention(model))
+    return 6 * params + attention / model["num_hidden_layers"]
 
 
 def stage_flops_per_token(model, plan, stage):
@@ -686,7 +754,8 @@ def stage_messages(model, plan, stage):
     TP: 2 all-reduces of the rank's b x s/cp x h activations per block forward and 2 backward
     (with SP, a reduce-scatter plus an all-gather each: the same bytes), and with full
     recomputation the forward's 2 again in backward, when the block's forward reruns; selective
-    recomputation reruns only attention's core, inside the TP region, which sends nothing.
+    recomputation reruns only attention's core ("gpt3"), inside the TP region, or elementwise
+    ops from saved, already reduced outputs ("llama"), which sends nothing.
     PP: a micro-batch crosses each of the rank's v chunk boundaries twice (activation forward,
     gradient backward), each TP rank moving its 1/tp share (Megatron-LM scatters the
     activation over the TP group and gathers it again on the other side). tests/test_three_d.py
@@ -761,7 +830,8 @@ def stage_time(model, plan, cluster, stage):
     # Context parallelism (ring attention): per layer, each rank passes its K and V chunk
     # (s/cp tokens x the kv width / tp) around the ring, cp - 1 steps forward, and K, V plus
     # their gradients backward (3 x the forward bytes). Overlapped, it hides behind the
-    # attention matmuls (12 x s/cp x s x h / tp FLOPs per layer, forward and backward).
+    # attention matmuls a rank executes (per layer, forward and backward, s/cp tokens of
+    # attention_flops_per_token / tp: 12 x s/cp x s x h / tp, half that for a causal kernel).
     cp_per_micro_batch = 0
     if cp > 1:
         kv = model["num_key_value_heads"] * (model["hidden_size"] // model["num_attention_heads"])
@@ -769,8 +839,10 @@ def stage_time(model, plan, cluster, stage):
         cp_link = link(cluster, plan["tp"] * cp > cluster["gpus_per_node"])
         cp_per_layer = 3 * (cp - 1) * send_recv_time(chunk, cp_link)
         if option(plan, "cp_overlap", True):
-            attention = (12 * tokens_per_micro_batch / cp * plan["seq_len"]
-                         * model["hidden_size"] / plan["tp"] / (peak * plan["mfu"]))
+            attention = (attention_flops_per_token(model, plan["seq_len"],
+                                                   executes_causal_attention(model))
+                         / model["num_hidden_layers"] * tokens_per_micro_batch / cp
+                         / plan["tp"] / (peak * plan["mfu"]))
             cp_per_layer = max(0, cp_per_layer - attention)
         cp_per_micro_batch = layers * cp_per_layer
 
@@ -841,7 +913,8 @@ def plan_training(model, plan, cluster):
     run: kernel efficiency, not the end-to-end MFU this returns). Optional, with their defaults:
     sp (False: sequence parallelism), cp (1: context-parallel size), cp_overlap (True: ring
     attention's K/V exchange hidden behind attention's compute), virtual_stages (1: model
-    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": the MFU convention),
+    chunks per rank for interleaved 1F1B), flops ("matmuls+attention": what MFU counts, see
+    model_flops_per_token; step time counts what the kernels execute, causal attention halved),
     ep (1: expert-parallel size, carved out of dp x cp), ep_overlap (False: the all-to-alls
     hidden behind another micro-batch's compute, as DeepSeek's DualPipe schedules them),
     first_stage_layers and last_stage_layers (0: the default split, see stage_layers),

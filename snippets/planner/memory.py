@@ -1,6 +1,10 @@
 """Memory of training, per component: the model state by formula, activations by measurement."""
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy
 
 # --8<-- [start:bytes-per-param]
 # Bytes each parameter costs with AdamW, by precision recipe.
@@ -43,3 +47,61 @@ def measure_activation_bytes(model, input_ids, targets) -> int:
     del loss
     return sum(storages.values())
 # --8<-- [end:activation-bytes]
+
+
+# --8<-- [start:selective-policy]
+# Selective activation checkpointing for a Llama-style block, as the planner counts it
+# (cost_model.activation_bytes_per_layer, recompute="selective"): keep the output of every
+# matmul and of attention, recompute the rest (norms, RoPE, SiLU, products) in backward.
+# TorchTitan's op-level policy saves the same ops (torchtitan/distributed/activation_checkpoint.py)
+# but also recomputes every second matmul; this one recomputes no matmul.
+SELECTIVE_SAVE = {
+    torch.ops.aten.mm.default,
+    torch.ops.aten.addmm.default,
+    torch.ops.aten._scaled_dot_product_flash_attention.default,
+    torch.ops.aten._scaled_dot_product_efficient_attention.default,
+    torch.ops.aten._scaled_dot_product_cudnn_attention.default,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+}
+
+
+def selective_policy(ctx, func, *args, **kwargs):
+    """A policy for torch.utils.checkpoint.create_selective_checkpoint_contexts."""
+    if func in SELECTIVE_SAVE:
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+# --8<-- [end:selective-policy]
+
+
+def measure_held_activation_bytes(model, input_ids, targets) -> int:
+    """Bytes held between forward and backward, whoever holds them: what autograd saves (as
+    measure_activation_bytes counts it) and what a selective checkpoint keeps in its own cache,
+    which no saved-tensor hook sees. Every storage an op creates in the forward is watched
+    through a weak reference; those still alive when the forward returns (the loss kept) are
+    held for the backward. Storages are counted once, model state excluded."""
+    model_state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    created, saved = [], {}
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    created.append((StorageWeakRef(storage), storage.data_ptr(),
+                                    storage.nbytes()))
+            return out
+
+    def pack(tensor):  # tensors made before the forward and saved by it: the token ids
+        storage = tensor.untyped_storage()
+        saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), Watch():
+        loss = model(input_ids, targets)[1]
+    held = dict(saved)
+    for ref, pointer, nbytes in created:
+        if not ref.expired():
+            held[pointer] = nbytes
+    del loss
+    return sum(n for pointer, n in held.items() if pointer not in model_state)

@@ -27,7 +27,7 @@
     ["seq_len", "Sequence length", "int", 2048],
     ["schedule", "Pipeline schedule", "select", "1f1b", ["1f1b", "gpipe"]],
     ["mfu", "Fraction of peak FLOP/s the matmuls reach", "float", 0.4],
-    ["flops", "FLOPs counted in MFU", "select", "matmuls+attention", ["matmuls+attention", "matmuls", "6N"]],
+    ["flops", "FLOPs counted in MFU", "select", "matmuls+attention", ["matmuls+attention", "matmuls+causal-attention", "matmuls", "6N"]],
   ];
   // The model's shape, filled in from the preset and editable: a model of one's own.
   const MODEL_FIELDS = [
