@@ -161,8 +161,8 @@ def test_a_run_refuses_a_folder_with_an_earlier_runs_state_in_one_line(tmp_path)
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert result.stderr.splitlines() == [
-        f"error: rank ?: RunExistsError: {tmp_path} holds an earlier run's saved state "
-        "(optimizer.bin): pass another --state-dir to keep it, or --overwrite to replace it"]
+        f"error: rank ?: RunExistsError: an earlier run left optimizer.bin in {tmp_path}: pass "
+        "another --state-dir to keep it, or --overwrite to replace it"]
     assert "step" not in result.stdout  # refused before training
     assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt", "optimizer.bin"]
 

@@ -136,9 +136,9 @@ def test_lab3_script_refuses_an_earlier_runs_checkpoint_and_overwrite_replaces_i
            "--ranked-dir", str(ranked)]
     refused = subprocess.run(job, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert refused.returncode == 1, refused.stdout[-2000:]
-    assert (f"error: rank 0: RunExistsError: {ckpt}, {ranked / 'rank_00002-of-00003.pt'} holds "
-            "an earlier run's checkpoint: pass another --ckpt (and --ranked-dir) to keep it, or "
-            "--overwrite to replace it") in refused.stdout
+    assert (f"error: rank 0: RunExistsError: an earlier run left {ckpt}, "
+            f"{ranked / 'rank_00002-of-00003.pt'}: pass another --ckpt (and --ranked-dir) to "
+            "keep it, or --overwrite to replace it") in refused.stdout
     assert "step 1" not in refused.stdout  # refused before training
     assert load_checkpoint(ckpt) == {"step": 99}
     assert (ranked / "rank_00002-of-00003.pt").read_bytes() == b"an earlier run's shard"

@@ -152,7 +152,7 @@ def test_no_snippets_module_imports_one_that_imports_it_back():
 # snippets/training/ is the trainer core. What a page runs to teach something (scripts/), what a
 # learner points at their own runs (tools/) and the workshop's labs (labs/) have folders of their
 # own and call the core; the trainer with Accelerate is in library/ (README, "Contributing").
-TRAINER_CORE = {"__init__", "checkpoint", "ddp_trainer", "fsdp_trainer", "parallel_trainer"}
+TRAINER_CORE = {"__init__", "checkpoint", "ddp_trainer", "fsdp_trainer", "optim", "parallel_trainer"}
 CALLERS_OF_THE_CORE = ("scripts", "tools", "labs")
 
 

@@ -36,7 +36,9 @@ def test_refuses_an_earlier_run_without_overwrite(tmp_path, capsys):
         dcp_checkpoint.main(["--out", str(tmp_path)])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "step-1.dcp exists; pass --overwrite" in err
+    assert len(err.splitlines()) == 1 and (f"argument --out: an earlier run left step-1.dcp in "
+                                           f"{tmp_path}: pass another --out to keep it, or "
+                                           "--overwrite to replace it") in err
     dcp_checkpoint.prepare(tmp_path)  # what --overwrite does before saving
     assert [p.name for p in tmp_path.iterdir()] == ["notes.txt"]
 

@@ -112,16 +112,23 @@ def test_lr_schedule():
     assert make_trainer(warmup_steps=0, lr=lr).get_lr(0) == pytest.approx(lr)
 
 
-def test_session_a_schedule_is_the_same_curve():
-    """Session A's trainer writes the schedule as a LambdaLR factor, exercise 9 as get_lr: the
-    same curve twice, because the exercise must stand on its own. They must not drift apart."""
-    from snippets.scripts.train_tiny_transformer import warmup_cosine
+def test_session_a_schedule_is_the_same_curve(tmp_path):
+    """Session A's script and the trainer take the schedule from the one lr_at in optim.py: the
+    script as LambdaLR's factor (a peak of 1, a floor of 0.1), the trainer as get_lr with its
+    default floor, lr / 10. Every step of a script run uses the trainer's learning rate."""
+    from snippets.scripts.train_tiny_transformer import parse_args, train
 
-    lr, warmup, max_steps = 1e-3, 10, 110
-    trainer = make_trainer(lr=lr, min_lr=lr / 10, warmup_steps=warmup, max_steps=max_steps)
-    factor = warmup_cosine(warmup, max_steps, min_ratio=0.1)
-    for step in range(max_steps + 20):
-        assert lr * factor(step) == pytest.approx(trainer.get_lr(step), rel=1e-12), step
+    lr, warmup, steps = 1e-3, 3, 12
+    records = train(parse_args([
+        "--config", "tiny", "--batch-size", "2", "--seq-len", "16", "--device", "cpu",
+        "--threads", "1", "--epochs", "1", "--steps-per-epoch", str(steps), "--lr", str(lr),
+        "--warmup-steps", str(warmup), "--eval-every", "0", "--eval-batches", "1",
+        "--ckpt-every", "0", "--sample-tokens", "0", "--out", str(tmp_path / "run")]))
+    used = [r["lr"] for r in records if r["kind"] == "train"]
+    trainer = make_trainer(lr=lr, warmup_steps=warmup, max_steps=steps)
+    assert len(used) == steps
+    for step, rate in enumerate(used):
+        assert rate == pytest.approx(trainer.get_lr(step), rel=1e-12), step
 
 
 def test_train_step_uses_the_schedule():
@@ -385,8 +392,8 @@ def test_cli_never_writes_over_an_earlier_run(tmp_path, capsys):
     # Again without --resume (here with another model size): refused, in one line.
     assert main([*TINY_RUN[:1], "small", *TINY_RUN[2:], "--out", out]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "already holds a run (1 checkpoint (step 2))" in err
-    assert "--resume" in err and "a new --out" in err and "--overwrite" in err
+    assert err.count("\n") == 1 and "an earlier run left 1 checkpoint (step 2) in " in err
+    assert "--resume" in err and "another --out" in err and "--overwrite" in err
     assert (tmp_path / "run" / "ckpt-00000002.pt").read_bytes() == before
     # --resume into another model size: refused, naming the fields that differ.
     assert main([*TINY_RUN[:1], "small", *TINY_RUN[2:], "--out", out, "--resume"]) == 2
@@ -426,10 +433,10 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 # -------------------------------------------------------------- sections and exercise stubs
 
 
-SECTIONS = ["train-config", "dummy-data", "trainer-init", "wrap-model", "optimizer",
-            "lr-schedule", "train-step", "checkpoint", "main", "training-loop"]
-EXERCISES = ["exercise-8", "exercise-9", "exercise-10", "exercise-10-forward-backward",
-             "exercise-10-clip", "exercise-11-save", "exercise-11-load"]
+SECTIONS = ["train-config", "dummy-data", "trainer-init", "wrap-model", "train-step",
+            "checkpoint", "main", "training-loop"]
+EXERCISES = ["exercise-10", "exercise-10-forward-backward", "exercise-10-clip",
+             "exercise-11-save", "exercise-11-load"]
 
 
 def test_sections_are_balanced_and_lines_short():
@@ -458,8 +465,8 @@ def test_exercise_sections_can_be_replaced_by_a_raise():
     assert stub.count("raise NotImplementedError('exercise-") == len(EXERCISES)
     # Each raise is the whole body (after the docstring) of the method it belongs to.
     methods = {n.name: n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
-    for name in ["_setup_optimizer", "get_lr", "train_step", "forward_backward",
-                 "clip_gradients", "save_checkpoint", "load_checkpoint"]:
+    for name in ["train_step", "forward_backward", "clip_gradients", "save_checkpoint",
+                 "load_checkpoint"]:
         body = [s for s in methods[name].body
                 if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant))]
         assert len(body) == 1 and isinstance(body[0], ast.Raise), name

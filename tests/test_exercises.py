@@ -458,44 +458,39 @@ WRONG = {
 
 TRAINER_WRONG = {
     "optimizer-decays-everything": (8, "exercise-8", """
-        return torch.optim.AdamW(self.raw_model.parameters(), lr=self.train_config.lr,
-                                 weight_decay=self.train_config.weight_decay)
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
         """, "(1-D: an RMSNorm gain) has weight_decay 0.05, expected 0.0"),
     "optimizer-adam": (8, "exercise-8", """
-        decay = [p for p in self.raw_model.parameters() if p.dim() >= 2]
-        rest = [p for p in self.raw_model.parameters() if p.dim() < 2]
+        decay = [p for p in model.parameters() if p.dim() >= 2]
+        rest = [p for p in model.parameters() if p.dim() < 2]
         return torch.optim.Adam([{"params": decay, "weight_decay": 0.05},
                                  {"params": rest, "weight_decay": 0.0}])
         """, "return a torch.optim.AdamW: torch.optim.Adam's weight_decay"),
     "optimizer-tied-twice": (8, "exercise-8", """
-        params = [p for _, p in self.raw_model.named_parameters(remove_duplicate=False)]
+        params = [p for _, p in model.named_parameters(remove_duplicate=False)]
         return torch.optim.AdamW([
-            {"params": [p for p in params if p.dim() >= 2],
-             "weight_decay": self.train_config.weight_decay},
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
             {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}])
         """, "ONE Parameter under two names"),
     "lr-decays-to-zero": (9, "exercise-9", """
-        tc = self.train_config
-        if step < tc.warmup_steps:
-            return tc.lr * (step + 1) / tc.warmup_steps
-        progress = min(1.0, (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps))
-        return 0.5 * (1 + math.cos(math.pi * progress)) * tc.lr
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+        return 0.5 * (1 + math.cos(math.pi * progress)) * lr
         """, "you decay to 0; the cosine ends at min_lr"),
     "lr-warmup-late": (9, "exercise-9", """
-        tc = self.train_config
-        if step < tc.warmup_steps:
-            return tc.lr * step / tc.warmup_steps
-        if step >= tc.max_steps:
-            return tc.min_lr
-        progress = (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps)
-        return tc.min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (tc.lr - tc.min_lr)
-        """, "get_lr(0) = 0, expected 0.0001"),
+        if step < warmup_steps:
+            return lr * step / warmup_steps
+        if step >= max_steps:
+            return min_lr
+        progress = (step - warmup_steps) / (max_steps - warmup_steps)
+        return min_lr + 0.5 * (1 + math.cos(math.pi * progress)) * (lr - min_lr)
+        """, "lr_at(0, ...) = 0, expected 0.0001"),
     "lr-linear-decay": (9, "exercise-9", """
-        tc = self.train_config
-        if step < tc.warmup_steps:
-            return tc.lr * (step + 1) / tc.warmup_steps
-        progress = min(1.0, (step - tc.warmup_steps) / (tc.max_steps - tc.warmup_steps))
-        return tc.lr - progress * (tc.lr - tc.min_lr)
+        if step < warmup_steps:
+            return lr * (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / (max_steps - warmup_steps))
+        return lr - progress * (lr - min_lr)
         """, "that is a linear decay"),
     "step-no-loss-scaling": (10, "exercise-10", """
         accum = self.train_config.grad_accum_steps

@@ -82,8 +82,8 @@ def test_sweep_refuses_a_folder_that_holds_anything_and_leaves_it_as_it_was(tmp_
     for _ in range(2):  # refused twice: the first refusal leaves nothing that would pass the second
         assert lab1_sweep.main(["--out", str(out), "--steps", "1"]) == 2
         err = capsys.readouterr().err
-        assert err == (f"error: {out} already holds base: pass another --out to keep it, or "
-                       "--overwrite to replace the sweep's runs there\n")
+        assert err == (f"error: an earlier run left base in {out}: pass another --out to keep "
+                       "it, or --overwrite to replace it\n")
         assert [p.relative_to(out).as_posix() for p in sorted(out.rglob("*"))] == [
             "base", "base/run.json"]
 

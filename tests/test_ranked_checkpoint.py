@@ -202,8 +202,8 @@ def test_the_command_line_never_writes_over_an_earlier_save_and_errors_are_one_l
         assert len(err.strip().splitlines()) == 1, err  # one line, no traceback
         return err
 
-    assert "holds an earlier save (rank_00000-of-00003.pt, ...): pass another directory to keep " \
-           "it, or --overwrite" in error("save", str(saved))
+    assert (f"an earlier run left rank_00000-of-00003.pt in {saved}: pass another directory to "
+            "keep it, or --overwrite") in error("save", str(saved))
     assert f"{model} exists: pass another output path, or --overwrite" in error(
         "consolidate", str(saved), str(model))
     assert "no ranked checkpoint files" in error("inspect", str(tmp_path / "nothing"))

@@ -133,9 +133,9 @@ def test_a_rerun_never_destroys_the_earlier_run(tmp_path, capsys):
     # on, and nothing is touched. (Another config: tests/test_lab1.py.)
     assert main(short) == 2
     err = capsys.readouterr().err
-    assert err == (f"error: {out} already holds a run (2 checkpoints (steps 2-4), "
-                   "metrics.jsonl, run.json, loss.png): pass --resume to continue it, a new "
-                   "--out to keep it, or --overwrite to replace it\n")
+    assert err == ("error: an earlier run left 2 checkpoints (steps 2-4), metrics.jsonl, "
+                   f"run.json, loss.png in {out}: pass --resume to continue it, another --out "
+                   "to keep it, or --overwrite to replace it\n")
     assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
     # --overwrite deletes only what this script writes.
     (out / "notes.txt").write_text("mine")

@@ -33,7 +33,7 @@ from snippets.cluster.ranked_checkpoint import (adam_groups, rank_files, remove_
 from snippets.dist import (LaunchError, StopSignal, collective_device, init_from_env,
                            leave_process_group, run_main)
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import RunExistsError, save_checkpoint
+from snippets.training.checkpoint import refuse_earlier_run, save_checkpoint
 from snippets.flags import Parser, int_at_least, positive_float
 
 VAL_FRACTION = 0.1  # the same split evaluate_checkpoint.py holds out
@@ -94,9 +94,8 @@ def refuse_earlier_outputs(args) -> None:
     anyone = torch.tensor([len(found)], dtype=torch.int32, device=collective_device())
     dist.all_reduce(anyone, op=dist.ReduceOp.MAX)
     if anyone.item():
-        names = ", ".join(str(p) for p in found[:3]) or "another node's disk"
-        raise RunExistsError(f"{names} holds an earlier run's checkpoint: pass another --ckpt "
-                             "(and --ranked-dir) to keep it, or --overwrite to replace it")
+        refuse_earlier_run(found or ["files on another node's disk"], overwrite=args.overwrite,
+                           keep="--ckpt (and --ranked-dir)")
 
 
 def positive_int(text: str) -> int:

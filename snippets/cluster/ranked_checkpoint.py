@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from snippets.training.checkpoint import (CheckpointError, NoCheckpointError, RunExistsError,
-                                          _sidecar, load_checkpoint, save_checkpoint)
+                                          _sidecar, load_checkpoint, refuse_earlier_run,
+                                          save_checkpoint)
 from snippets.flags import Parser, int_at_least
 
 FILE_PATTERN = re.compile(r"^rank_(\d{5})-of-(\d{5})\.pt$")
@@ -255,9 +256,8 @@ def _run(args) -> None:
         from snippets.dist import spawn
 
         earlier = rank_files(args.directory)
-        if earlier and not args.overwrite:
-            raise RunExistsError(f"{args.directory} holds an earlier save ({earlier[0].name}, ...): "
-                                 "pass another directory to keep it, or --overwrite to replace it")
+        refuse_earlier_run([path.name for path in earlier], args.directory,
+                           overwrite=args.overwrite, keep="directory")
         remove_rank_files(args.directory)  # all first: files of two world sizes never mix
         for path in spawn(_demo_save, args.world_size, args.directory, args.step, timeout_s=120):
             print(f"wrote {path}")

@@ -73,6 +73,7 @@ class Exercise:
 
 
 GPT_FILE = "snippets/models/gpt.py"
+OPTIM_FILE = "snippets/training/optim.py"
 DDP_FILE = "snippets/training/ddp_trainer.py"
 FSDP_FILE = "snippets/training/fsdp_trainer.py"
 COLLECTIVES_FILE = "snippets/scratch/collectives.py"
@@ -210,35 +211,34 @@ EXERCISES: tuple[Exercise, ...] = (
     ),
     # ------------------------------------------------------------ phase 2: the training loop
     Exercise(
-        number=8, title="DistributedTrainer._setup_optimizer", file=DDP_FILE,
+        number=8, title="build_optimizer (optim.py)", file=OPTIM_FILE,
         sections=("exercise-8",), phase=2,
-        task="AdamW with two parameter groups: train_config.weight_decay on the matrices, 0.0 "
-             "on the 1-D parameters (norm gains, biases)",
+        task="AdamW with two parameter groups: weight_decay on the matrices, 0.0 on the 1-D "
+             "parameters (norm gains, biases), frozen parameters left out",
         concept="Parameter groups, weight decay, AdamW",
         difficulty="Easy-Medium (10-15 lines)",
         hints=(
-            "loop over self.raw_model.named_parameters() and skip parameters that do not require "
-            "grad",
+            "loop over model.named_parameters() and skip parameters that do not require grad",
             "p.dim() >= 2 (Linear and Embedding weights) goes to the decay group; p.dim() < 2 "
             "(RMSNorm gains, biases) to the no-decay group",
             "torch.optim.AdamW takes a list of parameter groups, dicts with their own 'params' and "
-            "'weight_decay'; the learning rate is train_config.lr and the betas (0.9, 0.95)",
+            "'weight_decay'; the learning rate is the lr argument and the betas (0.9, 0.95)",
             "the tied embed_tokens / lm_head matrix is one Parameter: named_parameters() yields it "
             "once, and it must be in one group only",
         ),
-        check="check_setup_optimizer",
+        check="check_build_optimizer",
         lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),
     Exercise(
-        number=9, title="DistributedTrainer.get_lr", file=DDP_FILE, sections=("exercise-9",),
+        number=9, title="lr_at (optim.py)", file=OPTIM_FILE, sections=("exercise-9",),
         phase=2,
-        task="linear warmup to train_config.lr over warmup_steps, cosine decay to min_lr at "
-             "max_steps, then min_lr",
+        task="linear warmup to lr over warmup_steps, cosine decay to min_lr at max_steps, then "
+             "min_lr",
         concept="Learning-rate schedules: warmup and cosine decay",
         difficulty="Easy (5-8 lines)",
         hints=(
-            "everything comes from self.train_config: lr, min_lr, warmup_steps, max_steps",
+            "everything comes from the arguments: lr, min_lr, warmup_steps, max_steps",
             "warmup: lr * (step + 1) / warmup_steps, so step 0 already moves and step warmup_steps "
             "- 1 reaches the peak",
             "from step max_steps on, return min_lr",
@@ -246,7 +246,7 @@ EXERCISES: tuple[Exercise, ...] = (
             "half a period of a cosine, shifted and scaled to fall from 1 to 0 over that progress, "
             "is the fraction of the distance from min_lr to lr still left",
         ),
-        check="check_get_lr",
+        check="check_lr_at",
         lesson="workshop/session-b/slides.md",
         arrives_with="the DDP trainer (Week 1)",
     ),

@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from snippets.models.gpt import GPT, ConfigError, get_config
-from snippets.training.checkpoint import CheckpointError, RunExistsError
+from snippets.training.checkpoint import CheckpointError, refuse_earlier_run
 from snippets.flags import Parser, int_at_least
 from snippets.scripts.train_tiny_transformer import DEFAULT_CONFIG, parse_args, train
 
@@ -141,9 +141,8 @@ def sweep(configs: list[Path], out: Path, steps: int, batch_size: int, context_l
     for path in configs:  # every config is checked before any training starts
         get_config(path)
     # ... and the folder: an earlier sweep (or anything else) in it stays unless asked.
-    if out.is_dir() and (found := sorted(p.name for p in out.iterdir())) and not overwrite:
-        raise RunExistsError(f"{out} already holds {', '.join(found)}: pass another --out to "
-                             "keep it, or --overwrite to replace the sweep's runs there")
+    refuse_earlier_run(sorted(p.name for p in out.iterdir()) if out.is_dir() else [], out,
+                       overwrite=overwrite)
     rows = []
     for path in configs:
         name = variant_name(path)

@@ -26,7 +26,7 @@ from accelerate.utils import set_seed
 from torch.utils.data import DataLoader, Dataset
 
 from snippets.data.dataset import load_tokens
-from snippets.training.checkpoint import RunExistsError
+from snippets.training.checkpoint import refuse_earlier_run
 from snippets.flags import Parser, int_at_least, positive_float
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.scripts.ddp_simulation_train import Windows
@@ -80,10 +80,8 @@ def saved_state(state_dir: str) -> list[Path]:
 
 def check_state_dir(state_dir: str, overwrite: bool) -> None:
     """Refuse to save over an earlier run's state, before anything starts."""
-    if (found := saved_state(state_dir)) and not overwrite:
-        raise RunExistsError(f"{state_dir} holds an earlier run's saved state "
-                             f"({', '.join(p.name for p in found)}): pass another --state-dir "
-                             "to keep it, or --overwrite to replace it")
+    refuse_earlier_run([path.name for path in saved_state(state_dir)], state_dir,
+                       overwrite=overwrite, keep="--state-dir")
 
 
 # --8<-- [start:check-launch]

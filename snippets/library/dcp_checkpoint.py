@@ -30,7 +30,7 @@ from snippets.data.dataset import random_token_batches
 from snippets.dist import DEFAULT_TIMEOUT_S, init_mesh, spawn
 from snippets.library.tensor_parallel import apply_fsdp, apply_tp
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import fsync_dir
+from snippets.training.checkpoint import RunExistsError, fsync_dir, refuse_earlier_run
 from snippets.flags import Parser
 
 SYNC, ASYNC = "step-1.dcp", "step-1-async.dcp"
@@ -190,9 +190,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--overwrite", action="store_true",
                         help="replace this demo's checkpoints in --out if they exist")
     args = parser.parse_args(argv)
-    if not args.overwrite and (found := [p for p in ours(args.out) if p.exists()]):
-        parser.error(f"argument --out: {found[0]} exists; pass --overwrite to replace this "
-                     "demo's checkpoints, or choose another --out")
+    try:  # refused at parse time, as a usage error: nothing has started yet
+        refuse_earlier_run([p.name for p in ours(args.out) if p.exists()], args.out,
+                           overwrite=args.overwrite)
+    except RunExistsError as err:
+        parser.error(f"argument --out: {err}")
     prepare(args.out)
     timeout_s = DEFAULT_TIMEOUT_S
     saved = spawn(save_worker, 2, args.out, timeout_s, timeout_s=timeout_s)[0]

@@ -30,8 +30,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Dataset
 from snippets.data.dataset import load_tokens
 from snippets.dist import collective_device, init_from_env, leave_process_group, run_main
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import (CheckpointError, RunExistsError, config_diff,
-                                          load_checkpoint, save_checkpoint, unwrap_model)
+from snippets.training.checkpoint import (CheckpointError, config_diff, load_checkpoint,
+                                          refuse_earlier_run, save_checkpoint, unwrap_model)
 from snippets.flags import Parser, int_at_least, positive_float
 
 
@@ -157,9 +157,9 @@ def grad_norm(model: torch.nn.Module) -> float:
 def main(argv=None) -> None:
     args = parse_args(argv)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if os.path.exists(args.ckpt) and restart == 0 and not (args.resume or args.overwrite):
-        raise RunExistsError(f"{args.ckpt} holds an earlier run's checkpoint: pass --resume to "
-                             "continue it, another --ckpt to keep it, or --overwrite to replace it")
+    if restart == 0 and not args.resume:  # a restart by torchrun resumes its own checkpoint
+        refuse_earlier_run([args.ckpt] if os.path.exists(args.ckpt) else [],
+                           overwrite=args.overwrite, keep="--ckpt", resume=True)
     env = init_from_env(timeout_s=args.timeout)
     rank, world = env["rank"], env["world_size"]
     log = rank_logger(args.log_dir, rank, append=restart > 0 or not args.overwrite)

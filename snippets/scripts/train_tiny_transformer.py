@@ -45,10 +45,12 @@ from snippets.training.checkpoint import (
     capture_rng_state,
     changed_fields,
     config_diff,
+    refuse_earlier_run,
     restore_rng_state,
     seed_everything,
     unwrap_model,
 )
+from snippets.training.optim import build_optimizer, lr_at
 from snippets.flags import Parser, float_at_least, fraction, int_at_least, positive_float
 
 DEFAULT_CONFIG = Path(__file__).resolve().parents[1] / "models" / "config.json"
@@ -138,18 +140,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.resume and args.overwrite:
         p.error("--resume continues the run in --out and --overwrite replaces it: pass one")
     return args
-
-
-# --8<-- [start:lr-schedule]
-def warmup_cosine(warmup_steps: int, total_steps: int, min_ratio: float = 0.1):
-    """LambdaLR factor: linear warmup to 1, then cosine decay to min_ratio at total_steps."""
-    def factor(step: int) -> float:  # step = optimizer steps taken so far
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return factor
-# --8<-- [end:lr-schedule]
 
 
 # --8<-- [start:evaluate]
@@ -294,10 +284,7 @@ def start_fresh(out: Path, manager: CheckpointManager, overwrite: bool, config: 
                              f"--config: {config_diff(earlier, config)}); --resume and "
                              "--overwrite accept only that run's config: give this one its "
                              f"own --out, e.g. --out {own_out}")
-    if not overwrite:
-        raise RunExistsError(f"{out} already holds a run ({', '.join(found)}): pass --resume "
-                             "to continue it, a new --out to keep it, or --overwrite to "
-                             "replace it")
+    refuse_earlier_run(found, out, overwrite=overwrite, resume=True)
     manager.remove_all()
     for name in RUN_FILES:
         (out / name).unlink(missing_ok=True)
@@ -356,12 +343,13 @@ def _train(args: argparse.Namespace) -> list[dict]:
 
     # --8<-- [start:optimizer]
     model = GPT(config).to(device)
-    decay = [p for p in model.parameters() if p.dim() >= 2]  # matrices; not norm gains
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": args.weight_decay},
-         {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total_steps))
+    # AdamW, weight decay on the matrices only, and warmup + cosine: the course's one copy of
+    # each (snippets/training/optim.py), which every later trainer uses too.
+    optimizer = build_optimizer(model, args.lr, args.weight_decay)
+    # LambdaLR multiplies --lr by a factor each step: the schedule with a peak of 1 is that
+    # factor, decaying to 0.1 (min_lr = lr / 10).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_at(step, 1.0, 0.1, warmup, total_steps))
     # --8<-- [end:optimizer]
     sampler = RandomWindowSampler(train_tokens, args.batch_size, context_length, seed=args.seed)
     manager = CheckpointManager(out / "checkpoints", keep_last=args.keep_last)

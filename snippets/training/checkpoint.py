@@ -19,6 +19,9 @@
   keeps the last K of the checkpoints *it* wrote (never one it did not), and,
   when the newest one is damaged, says so in one line and falls back to the
   previous good one.
+* ``refuse_earlier_run`` is the rule every command that writes a run follows: a
+  fresh start never writes over an earlier run's files unless --overwrite says so,
+  and the refusal names the way on in one line.
 """
 
 from __future__ import annotations
@@ -56,6 +59,29 @@ class NoCheckpointError(CheckpointError, FileNotFoundError):
 
 class RunExistsError(CheckpointError):
     """A fresh run was pointed at a directory that holds an earlier run."""
+
+
+def refuse_earlier_run(found, where: str | Path | None = None, *, overwrite: bool,
+                       keep: str = "--out", resume: bool = False) -> None:
+    """Refuse to start a fresh run over what an earlier run left, unless --overwrite.
+
+    The one rule of every command that writes a run: `found` names what an earlier run left
+    where this one would write (its files, or a description such as "2 checkpoints (steps
+    2-4)"), in the folder `where` when they are not full paths. Nothing found, or --overwrite
+    passed: return, and the caller deletes what it found, never more than its own kinds of file.
+    Otherwise raise RunExistsError, one line that names the way on: --resume to continue the run
+    (for a command that can), another `keep` (the flag or argument that names the output) to
+    keep it, or --overwrite to replace it.
+    """
+    if not found or overwrite:
+        return
+    names = [str(name) for name in found]
+    listing = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+    if where is not None:
+        listing += f" in {where}"
+    continue_it = "--resume to continue it, " if resume else ""
+    raise RunExistsError(f"an earlier run left {listing}: pass {continue_it}another {keep} to "
+                         "keep it, or --overwrite to replace it")
 
 
 def changed_fields(saved: dict, now: dict) -> list[str]:

@@ -5,8 +5,8 @@
 
 `DistributedTrainer` holds the four pieces of a real pretraining loop, each one an exercise:
 
-* `_setup_optimizer()`  (exercise 8): AdamW with weight decay on matrices only.
-* `get_lr(step)`        (exercise 9): linear warmup, then cosine decay to a floor.
+* `_setup_optimizer()`  (exercise 8, in optim.py): AdamW with weight decay on matrices only.
+* `get_lr(step)`        (exercise 9, in optim.py): linear warmup, then cosine decay to a floor.
 * `train_step()`        (exercise 10): gradient accumulation, clipping, one optimizer step.
 * `save_checkpoint()` / `load_checkpoint()` (exercise 11): resume exactly where a run stopped.
 
@@ -42,15 +42,16 @@ from snippets.models.gpt import shift_for_next_token
 from snippets.training.checkpoint import (
     CheckpointError,
     CheckpointManager,
-    RunExistsError,
     capture_rng_state,
     config_diff,
+    refuse_earlier_run,
     restore_rng_state,
     seed_everything,
     unwrap_model,
 )
 from snippets.training.checkpoint import load_checkpoint as load_verified
 from snippets.training.checkpoint import save_checkpoint as save_atomic
+from snippets.training.optim import build_optimizer, lr_at
 from snippets.flags import Parser, error_exit, float_at_least, int_at_least, positive_float
 
 
@@ -215,56 +216,21 @@ class DistributedTrainer:
         while True:
             yield self.sampler.next_batch()[self.replica :: self.replicas]
 
-    # --8<-- [start:optimizer]
     def _setup_optimizer(self) -> torch.optim.AdamW:
-        """AdamW with two parameter groups: weight decay on matrices, none on 1-D parameters."""
-        # --8<-- [start:exercise-8]
-        decay, no_decay = [], []
-        # named_parameters() yields each Parameter object once. The tied embed_tokens /
-        # lm_head matrix is one tensor under two names, so it is listed (and decayed) once;
-        # a tensor in two groups would make AdamW raise.
-        for name, param in self.raw_model.named_parameters():
-            if not param.requires_grad:
-                continue
-            # Matrices (Linear and Embedding weights) hold the model's capacity: decay keeps
-            # them small. 1-D parameters (RMSNorm gains, biases) only scale or shift; decay
-            # would pull the gains from 1 toward 0 and fight the normalisation.
-            if param.dim() >= 2:
-                decay.append(param)
-            else:
-                no_decay.append(param)
-        groups = [
-            {"params": decay, "weight_decay": self.train_config.weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
-        n_decay = sum(p.numel() for p in decay)
-        n_no_decay = sum(p.numel() for p in no_decay)
-        self.log(f"optimizer groups: weight decay on {len(decay)} tensors ({n_decay:,} "
-                 f"parameters), none on {len(no_decay)} tensors ({n_no_decay:,} parameters)")
-        # betas=(0.9, 0.95) as in GPT-3 and Llama: a shorter second-moment memory than the
-        # default 0.999 reacts faster to loss spikes. The lr is set by train_step each step.
-        # On CUDA, fused=True would run the update as one kernel; the default is fine here.
-        return torch.optim.AdamW(groups, lr=self.train_config.lr, betas=(0.9, 0.95))
-        # --8<-- [end:exercise-8]
-    # --8<-- [end:optimizer]
-
-    # --8<-- [start:lr-schedule]
-    def get_lr(self, step: int) -> float:
-        """The learning rate for optimizer step `step` (0-based): linear warmup to lr over
-        warmup_steps, cosine decay to min_lr at max_steps, then min_lr."""
-        # --8<-- [start:exercise-9]
+        """AdamW with weight decay on the matrices only (optim.py, exercise 8)."""
         tc = self.train_config
-        if step < tc.warmup_steps:
-            # Adam's moment estimates are noise for the first steps; small steps meanwhile
-            # avoid an early blow-up. (step + 1): step 0 already moves (lr / warmup_steps).
-            return tc.lr * (step + 1) / tc.warmup_steps
-        if step >= tc.max_steps:
-            return tc.min_lr
-        progress = (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps)  # 0 -> 1
-        coeff = 0.5 * (1.0 + math.cos(math.pi * progress))  # 1 -> 0, flat at both ends
-        return tc.min_lr + coeff * (tc.lr - tc.min_lr)
-        # --8<-- [end:exercise-9]
-    # --8<-- [end:lr-schedule]
+        optimizer = build_optimizer(self.raw_model, tc.lr, tc.weight_decay)
+        decay, no_decay = (group["params"] for group in optimizer.param_groups)
+        self.log(f"optimizer groups: weight decay on {len(decay)} tensors "
+                 f"({sum(p.numel() for p in decay):,} parameters), none on {len(no_decay)} "
+                 f"tensors ({sum(p.numel() for p in no_decay):,} parameters)")
+        return optimizer
+
+    def get_lr(self, step: int) -> float:
+        """The learning rate for optimizer step `step`: warmup, then cosine decay to min_lr
+        (optim.py, exercise 9)."""
+        tc = self.train_config
+        return lr_at(step, tc.lr, tc.min_lr, tc.warmup_steps, tc.max_steps)
 
     # --8<-- [start:train-step]
     def train_step(self, batch_iter) -> dict:
@@ -452,10 +418,8 @@ def resume_or_start(trainer, manager: CheckpointManager, args, load) -> None:
         return
     if not manager.checkpoints():
         return
-    if not args.overwrite:
-        raise RunExistsError(f"{manager.directory} already holds a run ({manager.describe()}): "
-                             "pass --resume to continue it, a new --out to keep it, or "
-                             "--overwrite to replace it")
+    refuse_earlier_run([manager.describe()], manager.directory, overwrite=args.overwrite,
+                       resume=True)
     if trainer.is_main:
         manager.remove_all()
     trainer.log(f"--overwrite: removed the earlier run's checkpoints from {manager.directory}")

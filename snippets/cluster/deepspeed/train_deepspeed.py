@@ -30,7 +30,7 @@ import torch.distributed as dist
 from snippets.data.dataset import load_tokens
 from snippets.dist import init_from_env, leave_process_group
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
-from snippets.training.checkpoint import RunExistsError
+from snippets.training.checkpoint import refuse_earlier_run
 from snippets.flags import Parser, int_at_least, positive_float
 
 CONFIG_DIR = Path(__file__).resolve().parent
@@ -184,9 +184,8 @@ def main(argv=None) -> None:
         return
     ds_config = load_ds_config(args.config)
     tag_dir = Path(args.save_dir) / f"step{args.steps}" if args.save_dir else None
-    if tag_dir and tag_dir.exists() and not args.overwrite:
-        raise RunExistsError(f"{tag_dir} holds an earlier run's checkpoint: pass another "
-                             "--save-dir to keep it, or --overwrite to replace it")
+    refuse_earlier_run([tag_dir] if tag_dir and tag_dir.exists() else [],
+                       overwrite=args.overwrite, keep="--save-dir")
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     env = init_from_env(backend, timeout_s=args.timeout)
     zero_groups_with_timeout(args.timeout)

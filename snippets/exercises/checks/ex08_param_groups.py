@@ -1,4 +1,4 @@
-"""Check of exercise 8: DistributedTrainer._setup_optimizer (snippets/training/ddp_trainer.py)."""
+"""Check of exercise 8: build_optimizer (snippets/training/optim.py)."""
 
 from __future__ import annotations
 
@@ -6,14 +6,14 @@ from types import ModuleType
 
 import torch
 
-from snippets.exercises.checks._trainer import _trainer, _trainer_class
 from snippets.exercises.runner import CheckFailed
+from snippets.models import gpt as ref
 
 
-def check_setup_optimizer(learner: ModuleType) -> list[str]:
-    cls = _trainer_class(learner, "_setup_optimizer")
+def _optimizer(learner: ModuleType, model: torch.nn.Module, weight_decay: float):
+    """The learner's build_optimizer(model, lr, weight_decay), AdamW's refusals explained."""
     try:
-        trainer = _trainer(cls, learner, weight_decay=0.05)
+        return learner.build_optimizer(model, 1e-3, weight_decay)
     except ValueError as err:
         if "more than one parameter group" in str(err):
             raise CheckFailed(
@@ -21,16 +21,20 @@ def check_setup_optimizer(learner: ModuleType) -> list[str]:
                 "lm_head matrix is ONE Parameter under two names; named_parameters() yields it "
                 "once, so put each parameter it yields in exactly one group") from None
         raise
-    optimizer = trainer.optimizer
+
+
+def check_build_optimizer(learner: ModuleType) -> list[str]:
+    torch.manual_seed(0)
+    model = ref.GPT(ref.get_config("tiny", max_position_embeddings=16))
+    optimizer = _optimizer(learner, model, weight_decay=0.05)
     if not isinstance(optimizer, torch.optim.AdamW):
         why = ("torch.optim.Adam's weight_decay is added to the gradient and then rescaled by "
                "Adam's per-parameter step size, so the decay is uneven; AdamW shrinks the "
                "weights directly" if isinstance(optimizer, torch.optim.Adam) else "")
-        raise CheckFailed(f"_setup_optimizer returned {type(optimizer).__name__}; return a "
+        raise CheckFailed(f"build_optimizer returned {type(optimizer).__name__}; return a "
                           f"torch.optim.AdamW{': ' + why if why else ''}")
     passed = ["returns torch.optim.AdamW"]
 
-    model = trainer.raw_model
     names = {id(p): n for n, p in model.named_parameters()}
     decay_of: dict[int, list[float]] = {}
     for group in optimizer.param_groups:
@@ -53,11 +57,11 @@ def check_setup_optimizer(learner: ModuleType) -> list[str]:
         wd = decay_of[id(p)][0]
         if p.dim() >= 2 and wd != 0.05:
             if wd == 0.1:
-                raise CheckFailed(f"{name} has weight_decay 0.1 with TrainConfig("
-                                  "weight_decay=0.05): read it from "
-                                  "self.train_config.weight_decay instead of writing a number")
+                raise CheckFailed(f"{name} has weight_decay 0.1 with build_optimizer(model, lr, "
+                                  "weight_decay=0.05): use the weight_decay argument instead "
+                                  "of writing a number")
             raise CheckFailed(f"{name} (a matrix, {tuple(p.shape)}) has weight_decay {wd}, "
-                              "expected train_config.weight_decay = 0.05: the matrices hold the "
+                              "expected the weight_decay argument, 0.05: the matrices hold the "
                               "model's capacity, and weight decay is what keeps them small")
         if p.dim() < 2 and wd != 0.0:
             raise CheckFailed(
@@ -67,7 +71,7 @@ def check_setup_optimizer(learner: ModuleType) -> list[str]:
     passed.append("weight decay on matrices only (norm gains and biases: 0.0)")
 
     model.norm.weight.requires_grad_(False)
-    frozen = trainer._setup_optimizer()
+    frozen = _optimizer(learner, model, weight_decay=0.05)
     if any(p is model.norm.weight for g in frozen.param_groups for p in g["params"]):
         raise CheckFailed("a frozen parameter (requires_grad=False) is in the optimizer: skip "
                           "parameters that do not train")
