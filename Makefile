@@ -5,9 +5,11 @@
 #   make test       the whole suite: unit and multi-process tests, every code block, site build, browser
 #   make test-portable  the checked outputs and numeric tests again under other CPU kernel families
 #   make build      mkdocs build --strict into site/, executing every lesson (no cache)
-#   make test-gpu   the CUDA/NCCL-marked tests; fails when no GPU is present
+#   make test-gpu   the CUDA/NCCL-marked tests, with the GPU machine's own python3 (GPU_PYTHON);
+#                   fails when no GPU is present
 #   make soak       Session C's two-node c10d demo 20 times: every agent must exit 0 (outside make test)
 #   make bench      the benchmarks, written to bench.json
+#   make bench-gpu  the GPU section of bench.json, with the GPU machine's own python3 (GPU_PYTHON)
 #   make test-torchtitan  TorchTitan on the CPU in its own .venv-torchtitan (make torchtitan-env)
 #
 # On a Linux machine without a GPU, `make serve TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu`
@@ -24,7 +26,7 @@ STAMP  := $(VENV)/.installed-$(DEPS_DIGEST)
 TORCH_INDEX_URL ?=
 HOST   ?= 127.0.0.1:8000
 
-.PHONY: serve build test test-portable test-gpu soak bench clean torchtitan-env test-torchtitan
+.PHONY: serve build test test-portable test-gpu soak bench bench-gpu clean torchtitan-env test-torchtitan
 
 export NO_MKDOCS_2_WARNING := 1
 
@@ -75,8 +77,16 @@ FAMILIES ?=
 test-portable: $(STAMP)
 	env -u PYTHONDONTWRITEBYTECODE TEST_WORKERS=$(TEST_WORKERS) $(PY) -m tests.portable $(FAMILIES)
 
-test-gpu: $(STAMP)
-	REQUIRE_GPU=1 $(PY) -m pytest -m cuda
+# The GPU targets run with the interpreter the GPU machine has, and its CUDA build of PyTorch:
+# never .venv (whose torch is the CPU pin) and never an install (GPU machines may have no
+# network). `make test-gpu GPU_PYTHON=/opt/conda/bin/python` names another one.
+# snippets/tools/gpu_env.py first prints the interpreter, torch, CUDA and the GPU (the record
+# beside the results), and stops with one line if a test dependency is missing.
+GPU_PYTHON ?= python3
+
+test-gpu:
+	PYTHONPATH=. $(GPU_PYTHON) -m snippets.tools.gpu_env
+	env -u PYTHONDONTWRITEBYTECODE REQUIRE_GPU=1 PYTHONPATH=. $(GPU_PYTHON) -m pytest -m cuda -p no:cacheprovider
 
 # Session C's two-node c10d demo 20 times over (SOAK_RUNS=N for more): every agent must exit 0.
 # About 15 s of CPU a run, so not part of `make test`, which runs the demo once.
@@ -85,6 +95,13 @@ soak: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m snippets.bench --out bench.json
+
+# Writes results["gpu"] into bench.json and keeps the CPU results (--merge). Flags for a smaller
+# GPU: `make bench-gpu GPU_BENCH_FLAGS="--batch-size 8"` (python -m snippets.bench.gpu --help).
+GPU_BENCH_FLAGS ?=
+bench-gpu:
+	@PYTHONPATH=. $(GPU_PYTHON) -m snippets.tools.gpu_env --bench
+	@PYTHONPATH=. $(GPU_PYTHON) -m snippets.bench.gpu --merge --out bench.json $(GPU_BENCH_FLAGS)
 
 # TorchTitan on the CPU (docs/course/week-2/torchtitan.md): the optional extra `torchtitan` in its
 # own environment, never in .venv (about 1.5 GB, half of it torch). torch first, at the pin; then

@@ -76,6 +76,26 @@ for dtype in ("fp32", "bf16"):
 print(f"bf16 / fp32 tokens/s: {tt['bf16_over_fp32_tokens_per_s']}")
 
 # %% [markdown]
+# ## On a GPU: GPT-2 small against nanoGPT, matmuls by precision, memory against the planner
+#
+# `make bench-gpu`, on a machine with an NVIDIA GPU, writes the GPU section of `bench.json`
+# (`snippets/bench/gpu.py`): GPT-2 small's tokens/s and MFU for the course's GPT (readable,
+# fused, compiled) beside the nanoGPT-shaped model, matmul TFLOP/s in fp32, TF32, bf16 and FP8,
+# peak memory against the [planner](../../reference/calculator/)'s formulas with and without
+# activation checkpointing, and the [scratch FSDP](../../course/week-2/fsdp-from-scratch/)'s
+# mixed-precision memory. A CPU run keeps that section; the tables below come only from it.
+
+# %%
+from snippets.bench.gpu_tables import GPU_TABLES, NO_GPU_RUN, gpu_table
+
+gpu = results.get("gpu")
+if gpu is None:
+    print(NO_GPU_RUN.strip("*"))
+else:
+    for name in GPU_TABLES:
+        print(gpu_table(gpu, name))
+
+# %% [markdown]
 # ## All-reduce bandwidth: the ring from scratch vs `dist.all_reduce`
 #
 # [Ring all-reduce](../../course/week-1/ring-allreduce/) built from `isend`/`recv`, against

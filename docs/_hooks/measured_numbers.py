@@ -15,6 +15,12 @@ with those flags computes (its plan_training result, run in-process), then `|`, 
 a key in that result (`tokens_per_s`, `time_s.step`, `bubble_fraction`), or in `model`, `plan`
 or `cluster`, the inputs the flags chose. Flags the planner refuses fail like a missing key.
 
+The GPU section of bench.json (`make bench-gpu`, written on another machine) is shown as whole
+tables: a line holding only `{{ gpu-table:throughput }}` (or `matmul`, `memory`, `fsdp`) becomes
+the table, headed by the device, driver, torch and CUDA it ran on, or, while bench.json has no
+GPU section, a line saying that no GPU run is recorded yet and the command that makes one. A
+GPU number on a page therefore only ever comes from a real run.
+
 A key that does not resolve is a warning naming the page and the key, which fails
 `mkdocs build --strict`; the page shows the placeholder, marked. A placeholder inside a fenced
 code block is refused the same way: the code-block runner (tests/codeblocks.py) reads the raw
@@ -38,6 +44,7 @@ SOURCES = {"bench": ROOT / "bench.json"}  # record name -> JSON file, under the 
 UNITS = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "kB": 1e3, "MB": 1e6, "GB": 1e9}
 PLACEHOLDER = re.compile(r"\{\{\s*(\w+):([^{}:]+?)(?::([^{}]*?))?\s*\}\}")
 FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+GPU_TABLE = re.compile(r"^\s*\{\{\s*gpu-table:\s*([\w-]+)\s*\}\}\s*$")
 
 log = logging.getLogger("mkdocs.hooks.numbers")  # under "mkdocs", so --strict counts its warnings
 _loaded: dict[Path, tuple[float, object]] = {}
@@ -103,6 +110,14 @@ def resolve(source: str, key: str, spec: str | None = None) -> str:
     raise KeyError(f"{name} has no key {key.strip()!r}")
 
 
+def gpu_table(name: str) -> str:
+    """The Markdown of one GPU table, or the line saying no GPU run is recorded yet."""
+    from snippets.bench.gpu_tables import gpu_table as render
+
+    data = record("bench")
+    return render(data.get("results", {}).get("gpu") if isinstance(data, dict) else None, name)
+
+
 def substitute(markdown: str, where: str) -> tuple[str, list[str]]:
     """The page with its placeholders filled in, and one message per placeholder that failed."""
     out, errors, fence = [], [], None
@@ -113,7 +128,7 @@ def substitute(markdown: str, where: str) -> tuple[str, list[str]]:
         elif fence is not None and opened and opened.group(1)[0] == fence:
             fence = None
         elif fence is not None:
-            if PLACEHOLDER.search(line):
+            if PLACEHOLDER.search(line) or GPU_TABLE.match(line):
                 errors.append(f"{where}:{number}: a measured-number placeholder inside a code block "
                               f"(the code-block runner would see the braces); move it to the prose")
             out.append(line)
@@ -126,6 +141,16 @@ def substitute(markdown: str, where: str) -> tuple[str, list[str]]:
                 errors.append(f"{where}:{number}: {m.group(0)}: {e.args[0]}")
                 return f"**[missing: {m.group(0)[2:-2].strip()}]**"
 
+        table = GPU_TABLE.match(line)
+        if table:
+            indent = line[:len(line) - len(line.lstrip())]  # inside an admonition or a tab
+            try:
+                out.append("".join(indent + row if row.strip() else row for row in
+                                   gpu_table(table.group(1)).splitlines(keepends=True)))
+            except (KeyError, TypeError) as e:  # TypeError: a gpu section of another shape
+                errors.append(f"{where}:{number}: {line.strip()}: {e!r}")
+                out.append(line)
+            continue
         out.append(PLACEHOLDER.sub(fill, line))
     return "".join(out), errors
 
