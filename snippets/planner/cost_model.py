@@ -18,20 +18,23 @@ class PlannerError(ValueError):
 
 # --8<-- [start:presets]
 # Model shapes. The course's own configs (snippets/models/gpt.py) and Llama-style models, whose
-# published parameter counts the tests check: 6.74B, 13.0B, 69.0B, 405.9B.
+# published parameter counts the tests check: 6.74B, 13.0B, 69.0B, 405.9B. The course's configs
+# also say how its GPT runs under bf16 autocast (see activation_bytes_per_layer): its readable
+# RMSNorm computes in fp32 ("norm": "fp32") and, its weights being fp32, so does its residual
+# stream ("residual": "fp32"); the published models keep both at the activations' precision.
 MODELS = {
     "tiny": {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 172,
              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4,
-             "tie_word_embeddings": True},
+             "tie_word_embeddings": True, "norm": "fp32", "residual": "fp32"},
     "small": {"vocab_size": 256, "hidden_size": 128, "intermediate_size": 344,
               "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 4,
-              "tie_word_embeddings": True},
+              "tie_word_embeddings": True, "norm": "fp32", "residual": "fp32"},
     "medium": {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 688,
                "num_hidden_layers": 6, "num_attention_heads": 8, "num_key_value_heads": 8,
-               "tie_word_embeddings": True},
+               "tie_word_embeddings": True, "norm": "fp32", "residual": "fp32"},
     "gpt2-small": {"vocab_size": 50257, "hidden_size": 768, "intermediate_size": 2048,
                    "num_hidden_layers": 12, "num_attention_heads": 12, "num_key_value_heads": 12,
-                   "tie_word_embeddings": True},
+                   "tie_word_embeddings": True, "norm": "fp32", "residual": "fp32"},
     "llama-7b": {"vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
                  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
                  "tie_word_embeddings": False},
@@ -358,18 +361,62 @@ def sequence_parallel_shards(plan):
     return 1
 
 
+def residual_bytes(model, plan):
+    """Bytes per element of the residual stream, the tensor between blocks. A model trained
+    with fp32 weights under autocast (the course's GPT) keeps it in fp32: the embedding runs in
+    its weight's dtype (it is on neither the CPU nor the CUDA autocast list), and each residual
+    add of a bf16 block output promotes to fp32. Megatron-LM calls the same choice
+    fp32_residual_connection. Otherwise it is kept at the activations' precision."""
+    if option(model, "residual", "activations") == "fp32":
+        return 4
+    return PRECISIONS[plan["precision"]]["activations"]
+
+
+def norm_bytes_per_token(model, plan, readers):
+    """What one RMSNorm of a "llama" block keeps for backward per token, `readers` being the
+    matmuls that read its output (3 for q, k, v; 2 for gate, up; 1 for the head): its input,
+    the normalised vector before the gain, the fp32 1/rms, and its output as the matmuls keep
+    it. By default the input is kept in the residual stream's dtype and the normalised vector
+    at the activations' e bytes. "norm": "fp32" is the course's readable RMSNorm, which
+    computes in fp32 by an explicit .float() (so on any device): its input in fp32 (the fp32
+    residual itself, or its fp32 copy) and the normalised vector in fp32. The output has the
+    residual stream's dtype; if that is not the matmuls' e bytes, autocast casts it once for
+    each matmul (it caches casts of weights only), and each keeps its own copy."""
+    h = model["hidden_size"]
+    element = PRECISIONS[plan["precision"]]["activations"]
+    residual = residual_bytes(model, plan)
+    kept = h * residual + h * element
+    if option(model, "norm", "activations") == "fp32":
+        kept = 4 * h + 4 * h
+    copies = 1
+    if residual != element:
+        copies = readers
+    return kept + copies * h * element + 4
+
+
 def activation_bytes_per_layer(model, plan):
     """Bytes one block saves for backward for one micro-batch, on one rank.
 
     Context parallelism gives each rank seq_len / cp of the tokens. Per token, with e bytes per
     element:
     - "llama" (the course's GPT, counted tensor by tensor; tests/test_planner.py checks it
-      against a measurement): outside the TP regions 3h per RMSNorm (its input, the normalised
-      vector, the output) and an fp32 1/rms each; inside them, in attention, q and the
-      attention output (h each) and k after RoPE and v (kv each: num_key_value_heads x
-      head_dim, less than h with grouped-query attention), 4 x intermediate in the SwiGLU MLP
-      (gate, up, SiLU(gate), their product) and per head an fp32 softmax statistic (flash
-      attention keeps no scores).
+      against a measurement in fp32 and under bf16 autocast): outside the TP regions the two
+      RMSNorms' tensors (norm_bytes_per_token: 3h x e and an fp32 1/rms each where everything
+      is kept at e bytes); inside them, in attention, q and the attention output (h each) and
+      k after RoPE and v (kv each: num_key_value_heads x head_dim, less than h with
+      grouped-query attention), 4 x intermediate in the SwiGLU MLP (gate, up, SiLU(gate),
+      their product) and per head an fp32 softmax statistic (flash attention keeps no scores).
+      The course's GPT under bf16 autocast (its presets: "norm" and "residual" "fp32") keeps,
+      per norm, its fp32 input (the residual stream) and fp32 normalised vector (4h bytes
+      each), the fp32 1/rms, and a bf16 copy of its output for each matmul reading it: 26h + 8
+      bytes outside against 12h + 8 for an all-bf16 block; the inside tensors are bf16. Which
+      tensors are fp32 follows from the code (the explicit .float(), fp32 weights, type
+      promotion), not from a device's autocast lists: the bytes were measured under CPU
+      autocast, and CUDA's lists (aten/src/ATen/autocast_mode.cpp) add fp32 ops (pow, rsqrt,
+      log_softmax) that this GPT calls only on tensors already fp32; matmuls and attention are
+      bf16 on both, the embedding, SiLU, products and adds on neither. The published models
+      keep the default: norm tensors and residual stream at e bytes, 16-bit activations as
+      Korthikanti et al. count them.
     - "gpt3": Korthikanti et al. 2022, section 4.1: outside the TP regions the two LayerNorm
       inputs, the QKV and MLP inputs (4h x e) and two 1-byte dropout masks (2h); inside, q, k,
       v and the attention output ((2h + 2kv) x e, 4h without GQA) and the GELU's input and
@@ -377,7 +424,8 @@ def activation_bytes_per_layer(model, plan):
       (e), dropout mask (1 byte), dropout output (e). With e = 2, kv = h and intermediate =
       4h: sbh(34 + 5as/h).
     Tensor parallelism splits the inside tensors tp ways, sequence parallelism the outside ones.
-    Full recomputation keeps only the block's input. Selective recomputation:
+    Full recomputation keeps only the block's input, in the residual stream's dtype. Selective
+    recomputation:
     - "gpt3": drops the scores (Korthikanti et al. 2022, section 5: recompute attention's
       softmax, dropout and score matmuls; Megatron-Core's recompute_modules=["core_attn"]);
     - "llama": flash attention keeps no scores, so that would drop nothing (Megatron-Core warns
@@ -392,9 +440,10 @@ def activation_bytes_per_layer(model, plan):
       of the attention and MLP projections (o and down: they rebuild the residual stream the
       second norm reads; with TP the policy keeps them after the all-reduce or reduce-scatter,
       as TorchTitan keeps reduce_scatter_tensor's output, so the recompute sends nothing),
-      3h outside; q, k, v, the attention output, gate and up, (2h + 2kv + 2 x intermediate)
-      inside, and the fp32 softmax statistic. snippets/planner/memory.py's SELECTIVE_SAVE is
-      the policy, and tests/test_planner.py measures it on the course's block.
+      3h outside (the input in the residual stream's dtype); q, k, v, the attention output,
+      gate and up, (2h + 2kv + 2 x intermediate) inside, and the fp32 softmax statistic.
+      snippets/planner/memory.py's SELECTIVE_SAVE is the policy, and tests/test_planner.py
+      measures it on the course's block.
     """
     h, f, heads = model["hidden_size"], model["intermediate_size"], model["num_attention_heads"]
     kv = model["num_key_value_heads"] * (h // heads)
@@ -403,17 +452,17 @@ def activation_bytes_per_layer(model, plan):
     outside_shards = sequence_parallel_shards(plan)
     mode = recompute_mode(plan)
     if mode == "full":
-        return tokens * h * element / outside_shards
+        return tokens * h * residual_bytes(model, plan) / outside_shards
     if is_gpt3(model):
         outside = 4 * h * element + 2 * h
         inside = (2 * h + 2 * kv + 2 * f) * element
         if mode != "selective":
             inside = inside + heads * plan["seq_len"] * (2 * element + 1)
     elif mode == "selective":
-        outside = 3 * h * element
+        outside = h * residual_bytes(model, plan) + 2 * h * element
         inside = (2 * h + 2 * kv + 2 * f) * element + 4 * heads
     else:
-        outside = 6 * h * element + 2 * 4
+        outside = norm_bytes_per_token(model, plan, 3) + norm_bytes_per_token(model, plan, 2)
         inside = (2 * h + 2 * kv + 4 * f) * element + 4 * heads
     return tokens * (outside / outside_shards + inside / plan["tp"])
 
@@ -447,14 +496,17 @@ def first_stage_extra_activation_bytes(model, plan):
 
 
 def last_stage_extra_activation_bytes(model, plan):
-    """Per micro-batch, what the last stage keeps beyond its blocks: the final norm (3h per
-    token: its input, the normalised vector and its output, the head's input), the fp32
-    log-softmax over the vocabulary (split tp ways by a vocabulary-parallel head) kept for the
-    loss's backward, and the int64 targets."""
+    """Per micro-batch, what the last stage keeps beyond its blocks: the final norm (its input,
+    the normalised vector and its output, the head's input: 3h per token, and for a "llama"
+    block's RMSNorm the fp32 1/rms, as norm_bytes_per_token counts them), the fp32 log-softmax
+    over the vocabulary (split tp ways by a vocabulary-parallel head) kept for the loss's
+    backward, and the int64 targets. The head's logits themselves are not kept: the course's
+    GPT casts them to fp32 explicitly before the loss, whose log-softmax keeps its output."""
     tokens = plan["micro_batch_size"] * plan["seq_len"] / option(plan, "cp", 1)
-    element = PRECISIONS[plan["precision"]]["activations"]
-    return tokens * (3 * model["hidden_size"] * element + 4 * model["vocab_size"] / plan["tp"]
-                     + 8)
+    norm = 3 * model["hidden_size"] * PRECISIONS[plan["precision"]]["activations"]
+    if not is_gpt3(model):
+        norm = norm_bytes_per_token(model, plan, 1)
+    return tokens * (norm + 4 * model["vocab_size"] / plan["tp"] + 8)
 
 
 def micro_batches_in_flight(plan, stage):
@@ -663,6 +715,10 @@ def validate_model(model):
     for name in ("num_hidden_layers", "hidden_size", "intermediate_size", "num_attention_heads",
                  "num_key_value_heads", "vocab_size"):
         check_positive_int(name, model[name])
+    for name in ("norm", "residual"):
+        if option(model, name, "activations") not in ("activations", "fp32"):
+            raise PlannerError(f"{name}={option(model, name, '')} must be \"activations\" (kept "
+                               f"at the activations' precision) or \"fp32\"")
     if model["hidden_size"] % model["num_attention_heads"] != 0:
         raise PlannerError(f"hidden_size={model['hidden_size']} is not divisible by "
                            f"num_attention_heads={model['num_attention_heads']}: choose heads "

@@ -78,16 +78,28 @@ def measure_held_activation_bytes(model, input_ids, targets) -> int:
     measure_activation_bytes counts it) and what a selective checkpoint keeps in its own cache,
     which no saved-tensor hook sees. Every storage an op creates in the forward is watched
     through a weak reference; those still alive when the forward returns (the loss kept) are
-    held for the backward. Storages are counted once, model state excluded."""
+    held for the backward. Storages are counted once, model state excluded: the parameters and
+    buffers, and what an op makes from them alone. Under autocast that is the bf16 copy of each
+    weight a matmul keeps (the mixed-precision recipe's 2-byte weights, model state in the
+    planner) and the cast RoPE tables; they do not grow with the batch."""
     model_state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    created, saved = [], {}
+    created, saved, derived = [], {}, {}
+
+    def storages(tree):
+        return [t.untyped_storage() for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+    def is_state(pointer):  # a derived storage only while alive: its address may be reused
+        return pointer in model_state or (pointer in derived and not derived[pointer].expired())
 
     class Watch(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             out = func(*args, **(kwargs or {}))
-            for t in tree_leaves(out):
-                if isinstance(t, torch.Tensor):
-                    storage = t.untyped_storage()
+            inputs = storages((args, kwargs))
+            from_state = inputs and all(is_state(s.data_ptr()) for s in inputs)
+            for storage in storages(out):
+                if from_state:
+                    derived[storage.data_ptr()] = StorageWeakRef(storage)
+                else:
                     created.append((StorageWeakRef(storage), storage.data_ptr(),
                                     storage.nbytes()))
             return out
@@ -97,6 +109,9 @@ def measure_held_activation_bytes(model, input_ids, targets) -> int:
         saved[storage.data_ptr()] = storage.nbytes()
         return tensor
 
+    # Autocast keeps its copies of the weights for as long as its region lasts; an earlier
+    # forward in the caller's region would leave them made outside this watch, unrecognised.
+    torch.clear_autocast_cache()
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor), Watch():
         loss = model(input_ids, targets)[1]
     held = dict(saved)
@@ -104,4 +119,4 @@ def measure_held_activation_bytes(model, input_ids, targets) -> int:
         if not ref.expired():
             held[pointer] = nbytes
     del loss
-    return sum(n for pointer, n in held.items() if pointer not in model_state)
+    return sum(n for pointer, n in held.items() if not is_state(pointer))
