@@ -196,3 +196,15 @@ def test_bench_gpu_writes_its_section_with_the_device(tmp_path):
     section = json.loads(out.read_text())["results"]["gpu"]
     assert section["device"]["name"] == torch.cuda.get_device_name(0)
     assert section["device"]["torch"] == torch.__version__
+
+
+def test_autocast_weight_copies_count_each_matmul_weight_once():
+    # Every matrix of the small GPT is read by a matmul (the tied embedding as the head, once);
+    # only the norms' gains are not. With checkpointed blocks, only the head's copy is held.
+    from snippets.bench.gpu import autocast_weight_copies
+    from snippets.models.gpt import GPT, get_config
+
+    model = GPT(get_config("small"))
+    matrices = sum(p.numel() for p in model.parameters() if p.dim() == 2)
+    assert autocast_weight_copies(model, checkpointed=False) == 2 * matrices
+    assert autocast_weight_copies(model, checkpointed=True) == 2 * model.lm_head.weight.numel()

@@ -286,11 +286,24 @@ def one_step_memory(model, optimizer, inputs, targets, autocast: bool) -> dict:
     return {"state": state, "activations": held, "peak": torch.cuda.max_memory_allocated()}
 
 
+def autocast_weight_copies(model, checkpointed: bool) -> int:
+    """Bytes of the bf16 copies autocast makes of the weights a matmul reads, which autograd
+    keeps for the backward: every nn.Linear's (a tied head once), or with checkpointed blocks
+    only those outside them (the head). The planner counts these 2 bytes a parameter as the
+    bf16 recipe's weights, model state, not activations; memory_allocated sees them here."""
+    weights = {id(m.weight): m.weight.numel() for name, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)
+               and not (checkpointed and name.startswith("layers."))}
+    return 2 * sum(weights.values())
+
+
 def memory(configs=MEMORY_CONFIGS) -> dict:
     """Measured bytes against the planner's: model state (16 bytes a parameter: fp32 weights,
     gradients and two Adam moments; autocast keeps fp32 weights too), and activations
-    (cost_model.activation_bytes: 4 bytes an element in fp32, 2 under bf16 autocast, which
-    leaves some tensors, the residual stream and the norms' statistics, in fp32)."""
+    (cost_model.activation_bytes: 4 bytes an element in fp32; under bf16 autocast 2, except
+    what the course's GPT keeps in fp32, the residual stream and the norms' tensors, which the
+    course presets' "norm" and "residual" fields count), plus under autocast the bf16 weight
+    copies kept for the backward (autocast_weight_copies)."""
     from snippets.models.gpt import GPT, get_config, shift_for_next_token
 
     out = {}
@@ -309,10 +322,13 @@ def memory(configs=MEMORY_CONFIGS) -> dict:
                 measured = one_step_memory(model, optimizer, *shift_for_next_token(tokens),
                                            autocast=precision == "bf16")
                 plan = planner_plan(batch_size, seq_len, precision, recompute)
+                copies = autocast_weight_copies(model, recompute) if precision == "bf16" else 0
                 predicted = {"state": cost_model.model_state_bytes(
                                  model_shape, planner_plan(batch_size, seq_len, "fp32", False),
                                  0)["total"],
-                             "activations": cost_model.activation_bytes(model_shape, plan, 0)}
+                             "activations": cost_model.activation_bytes(model_shape, plan, 0)
+                             + copies,
+                             "of_which_autocast_weight_copies": copies}
                 rows[f"{precision}{'_checkpointed' if recompute else ''}"] = {
                     "measured_bytes": measured, "planner_bytes": predicted,
                     "activations_over_planner": round(
@@ -352,8 +368,9 @@ def fsdp(name: str = "gpt2-small", batch_size: int = 8) -> dict:
     """The lesson's accounting (docs/course/week-2/fsdp-from-scratch.md): the persistent state is
     the fp32 master shard, its fp32 gradient and Adam's two fp32 moments, 16 bytes a parameter
     over N ranks (N = 1 here); the bf16 full weights exist only for the unit that computes and
-    the one prefetched (2 x 2 bytes a parameter of a block); activations are bf16 (the planner's
-    bf16 count)."""
+    the one prefetched (2 x 2 bytes a parameter of a block); activations are the planner's bf16
+    count with the residual stream in bf16 too (the weights are bf16 here, so the blocks' adds
+    are; the norms still compute in fp32, fp32_modules)."""
     from snippets.dist import spawn
     from snippets.models.gpt import get_config
 
@@ -363,7 +380,8 @@ def fsdp(name: str = "gpt2-small", batch_size: int = 8) -> dict:
     plan = planner_plan(batch_size, seq_len, "bf16", False)
     formula = {"state": 16 * result["parameters"],
                "gathered_units": 2 * 2 * result["largest_block_parameters"],
-               "activations": cost_model.activation_bytes(dict(cost_model.MODELS[name]), plan, 0)}
+               "activations": cost_model.activation_bytes(
+                   {**cost_model.MODELS[name], "residual": "activations"}, plan, 0)}
     measured = result["measured_bytes"]
     return {"config": name, "batch_size": batch_size, "seq_len": seq_len, "world_size": 1,
             "backend": backend, **result, "formula_bytes": formula,
