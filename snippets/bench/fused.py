@@ -29,11 +29,14 @@ from snippets.scripts.precision_and_accumulation import median_seconds
 SHAPES = (("small", 8), ("medium", 8))  # config, batch size; sequences are the full context
 
 
-def make_step(model, inputs, targets):
+def make_step(model, inputs, targets, autocast: str | None = None):
+    """One training step on a fixed batch: forward (under bf16 autocast on the `autocast`
+    device type, when given), backward, fused AdamW."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step():
-        _, loss = model(inputs, targets)
+        with torch.autocast(autocast or "cpu", dtype=torch.bfloat16, enabled=bool(autocast)):
+            _, loss = model(inputs, targets)
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -41,11 +44,17 @@ def make_step(model, inputs, targets):
     return step
 
 
-def measure(config_name: str, batch_size: int, repeats: int, compile: bool) -> dict:
-    config = get_config(config_name)
-    seq_len = config.max_position_embeddings
+def race(config, seq_len: int, batch_size: int, repeats: int, compile: bool, make_step,
+         device: str = "cpu", clock=time.process_time, first_clock=time.perf_counter,
+         warmup: int = 1) -> dict:
+    """The five models (four without compile) built from one seed, each trained by
+    make_step(model, inputs, targets) on one fixed batch, the rounds interleaved
+    (median_seconds, with `clock`; the first step, which compiles, by `first_clock`, since the
+    C++ compiler runs in other processes). Returns the batch, the FLOPs per token of each family, the
+    first step's loss and wall-clock seconds (compiling, for the compiled ones) and the median
+    seconds of a step, by model."""
     torch.manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1))
+    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
     inputs, targets = shift_for_next_token(tokens)
     nano_config = matched_to(config)
     flops = {"course_gpt": training_flops_per_token(config, seq_len),
@@ -60,11 +69,23 @@ def measure(config_name: str, batch_size: int, repeats: int, compile: bool) -> d
     steps, first_step_s, first_loss = {}, {}, {}
     for name, build in builders.items():
         torch.manual_seed(0)
-        steps[name] = make_step(build(), inputs, targets)
-        start = time.perf_counter()  # compiled: the first step traces and compiles both passes
-        first_loss[name] = round(steps[name]().item(), 6)  # same init: equal but for nanoGPT
-        first_step_s[name] = round(time.perf_counter() - start, 2)
-    seconds = median_seconds(steps, repeats=repeats, warmup=1)
+        steps[name] = make_step(build().to(device), inputs, targets)
+        start = first_clock()  # compiled: the first step traces and compiles both passes
+        first_loss[name] = steps[name]().item()  # same init: equal but for nanoGPT
+        first_step_s[name] = round(first_clock() - start, 2)
+    seconds = median_seconds(steps, repeats=repeats, warmup=warmup, clock=clock)
+    return {"inputs": inputs, "nano_config": nano_config, "flops": flops,
+            "first_loss": first_loss, "first_step_s": first_step_s, "seconds": seconds}
+
+
+def measure(config_name: str, batch_size: int, repeats: int, compile: bool) -> dict:
+    config = get_config(config_name)
+    seq_len = config.max_position_embeddings
+    ran = race(config, seq_len, batch_size, repeats, compile, make_step)
+    inputs, nano_config, flops, seconds = (ran["inputs"], ran["nano_config"], ran["flops"],
+                                           ran["seconds"])
+    first_loss = {name: round(loss, 6) for name, loss in ran["first_loss"].items()}
+    first_step_s = ran["first_step_s"]
     out = {"batch_size": batch_size, "seq_len": seq_len, "tokens_per_step": inputs.numel(),
            "training_flops_per_token": flops, "nanogpt_mlp_hidden": nano_config.mlp_hidden,
            "first_step_loss": first_loss, "first_step_wall_s": first_step_s,

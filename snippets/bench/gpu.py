@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import json
 import shutil
 import statistics
@@ -36,8 +37,6 @@ from snippets.bench.record import checked_target, write_results
 from snippets.flags import Parser, int_at_least
 from snippets.machine import machine_info
 from snippets.planner import cost_model
-from snippets.planner.flops import training_flops_per_token
-from snippets.scripts.precision_and_accumulation import median_seconds
 
 # bf16 dense (no sparsity) tensor-core peaks, TFLOP/s, by a piece of torch.cuda.get_device_name;
 # the first match wins, so the more specific names come first. From NVIDIA's datasheets, whose
@@ -132,46 +131,17 @@ def cuda_wall_clock() -> float:
 
 # --------------------------------------------------------------------------- throughput
 
-def make_amp_step(model, inputs, targets):
-    """snippets/bench/fused.py's make_step on the GPU: the forward under bf16 autocast."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(inputs, targets)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-    return step
-
-
 def throughput(batch_size: int, seq_len: int, repeats: int, compile: bool, peak) -> dict:
-    from snippets.models.fused import compile_model, fuse
-    from snippets.models.gpt import GPT, get_config, shift_for_next_token
-    from snippets.models.nanogpt import NanoGPT, matched_to
-    from snippets.models.nanogpt import training_flops_per_token as nanogpt_flops_per_token
+    from snippets.bench.fused import make_step, race
+    from snippets.models.gpt import get_config
 
     config = get_config("gpt2-small", max_position_embeddings=seq_len, **GPT2_SMALL)
-    nano_config = matched_to(config)
-    torch.manual_seed(0)
-    tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device="cuda")
-    inputs, targets = shift_for_next_token(tokens)
-    flops = {"course_gpt": training_flops_per_token(config, seq_len),
-             "nanogpt": nanogpt_flops_per_token(nano_config, seq_len)}
-    builders = {"readable": lambda: GPT(config), "fused": lambda: fuse(GPT(config)),
-                "nanogpt": lambda: NanoGPT(nano_config)}
-    if compile:
-        builders["fused_compiled"] = lambda: compile_model(fuse(GPT(config)))
-        builders["nanogpt_compiled"] = lambda: compile_model(NanoGPT(nano_config))
-    steps, first_step_s, first_loss = {}, {}, {}
-    for name, build in builders.items():
-        torch.manual_seed(0)
-        steps[name] = make_amp_step(build().cuda(), inputs, targets)
-        start = cuda_wall_clock()  # compiled: the first step traces and compiles both passes
-        first_loss[name] = round(steps[name]().item(), 4)
-        first_step_s[name] = round(cuda_wall_clock() - start, 2)
-    seconds = median_seconds(steps, repeats=repeats, warmup=2, clock=cuda_wall_clock)
+    amp_step = functools.partial(make_step, autocast="cuda")  # the forward under bf16 autocast
+    ran = race(config, seq_len, batch_size, repeats, compile, amp_step, device="cuda",
+               clock=cuda_wall_clock, first_clock=cuda_wall_clock, warmup=2)
+    inputs, flops, seconds = ran["inputs"], ran["flops"], ran["seconds"]
+    first_loss = {name: round(loss, 4) for name, loss in ran["first_loss"].items()}
+    first_step_s = ran["first_step_s"]
     out = {"batch_size": batch_size, "seq_len": seq_len, "tokens_per_step": inputs.numel(),
            "vocab_size": config.vocab_size, "training_flops_per_token": flops,
            "precision": "bf16 autocast, fp32 weights, fused AdamW",
