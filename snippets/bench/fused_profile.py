@@ -1,11 +1,11 @@
 """Eager against fused (snippets/models/fused.py) on one training step, and where the time goes.
 
 Trains the small GPT both ways, and the nanoGPT-shaped model of the same FLOPs per token
-(snippets/models/nanogpt.py), on the same batch, interleaved (median_seconds, one thread). For each
-it prints the CPU time of a step, the minor page faults in it (getrusage; Linux and macOS), and
-the step's fixed cost: its time at a batch of 1 x 4 tokens,
-where the arithmetic is negligible and what is left is Python, dispatch and autograd. Then it
-profiles three steps of eager and fused with torch.profiler:
+(snippets/models/nanogpt.py), on the same batch, interleaved (median_seconds, one thread). For
+each it prints the CPU time of a step, the minor page faults in it (getrusage; Linux and macOS)
+and the step's fixed cost: its time at a batch of 1 x 4 tokens, where the arithmetic is
+negligible and what is left is Python, dispatch and autograd. Then it profiles three steps of
+eager and fused with torch.profiler:
 
     python -m snippets.bench.fused_profile
 """
