@@ -1,13 +1,19 @@
 """Training throughput of the course's GPT, readable and fused, against nanoGPT's architecture.
 
-At the small and medium configs, five models train side by side in one process: the readable
-GPT, the same GPT after `fuse` (snippets/models/fused.py), the fused GPT under torch.compile, and
-a nanoGPT-shaped model with the same shapes and FLOPs per token (snippets/models/nanogpt.py:
-matched_to), eager and compiled. Each step is forward + backward + fused AdamW on one fixed
+At the small and medium configs, six models train side by side in one process: the readable
+GPT, the same GPT after `fuse` (snippets/models/fused.py), the fused GPT under torch.compile, a
+nanoGPT-shaped model with the same shapes and FLOPs per token (snippets/models/nanogpt.py:
+matched_to), eager and compiled, and an ablation. Each step is forward + backward + fused AdamW on one fixed
 batch; the steps are interleaved round by round and timed by this process's CPU time
 (median_seconds), on one thread.
 With equal FLOPs per token, the ratio of model-FLOP throughputs is the inverse ratio of step
 times; both FLOP counts are computed and stored, so the claim is checked, not assumed.
+
+The ablation, `fused_layernorm_no_rope`, is not the course's model: it is the fused
+GPT with two of GPT-2's choices where the blocks differ in elementwise work, LayerNorm (one
+native kernel each way) for RMSNorm and no RoPE (`gpt2_norm_and_positions`). Its ratio to
+nanoGPT says how much of the fused path's gap is the Llama block's own work rather than how
+the block is implemented.
 
     python -m snippets.bench --only fused --merge --out bench.json
 """
@@ -17,9 +23,11 @@ from __future__ import annotations
 import time
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 from snippets.machine import machine_info
-from snippets.models.fused import compile_model, fuse
+from snippets.models.fused import FusedAttention, FusedRMSNorm, compile_model, fuse
 from snippets.models.gpt import GPT, get_config, shift_for_next_token
 from snippets.models.nanogpt import NanoGPT, matched_to
 from snippets.models.nanogpt import training_flops_per_token as nanogpt_flops_per_token
@@ -27,6 +35,38 @@ from snippets.planner.flops import training_flops_per_token
 from snippets.scripts.precision_and_accumulation import median_seconds
 
 SHAPES = (("small", 8), ("medium", 8))  # config, batch size; sequences are the full context
+
+
+class AttentionWithoutRoPE(nn.Module):
+    """A FusedAttention's projections and attention with the rotation left out: q and k go
+    into attention as the projection computes them, as in GPT-2."""
+
+    def __init__(self, attn: FusedAttention):
+        super().__init__()
+        self.qkv_proj, self.o_proj, self.head_dim = attn.qkv_proj, attn.o_proj, attn.head_dim
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv_proj(x).view(B, T, 3, -1, self.head_dim).transpose(1, 3).unbind(2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+def gpt2_norm_and_positions(model):
+    """The ablation, in place, on a fused GPT: each FusedRMSNorm becomes a bias-free LayerNorm
+    with the same weight and eps, each FusedAttention an AttentionWithoutRoPE. The matmuls,
+    SwiGLU and the loss are the fused path's, so the FLOPs per token are unchanged; the
+    outputs are another model's."""
+    for module in list(model.modules()):
+        for name, child in module.named_children():
+            if isinstance(child, FusedRMSNorm):
+                norm = nn.LayerNorm(child.weight.shape[0], eps=child.eps, bias=False,
+                                    device=child.weight.device)
+                norm.weight = child.weight
+                setattr(module, name, norm)
+            elif isinstance(child, FusedAttention):
+                setattr(module, name, AttentionWithoutRoPE(child))
+    return model
 
 
 def make_step(model, inputs, targets, autocast: str | None = None):
@@ -47,7 +87,7 @@ def make_step(model, inputs, targets, autocast: str | None = None):
 def race(config, seq_len: int, batch_size: int, repeats: int, compile: bool, make_step,
          device: str = "cpu", clock=time.process_time, first_clock=time.perf_counter,
          warmup: int = 1) -> dict:
-    """The five models (four without compile) built from one seed, each trained by
+    """The six models (four without compile) built from one seed, each trained by
     make_step(model, inputs, targets) on one fixed batch, the rounds interleaved
     (median_seconds, with `clock`; the first step, which compiles, by `first_clock`, since the
     C++ compiler runs in other processes). Returns the batch, the FLOPs per token of each family, the
@@ -60,7 +100,8 @@ def race(config, seq_len: int, batch_size: int, repeats: int, compile: bool, mak
     flops = {"course_gpt": training_flops_per_token(config, seq_len),
              "nanogpt": nanogpt_flops_per_token(nano_config, seq_len)}
     builders = {"readable": lambda: GPT(config), "fused": lambda: fuse(GPT(config)),
-                "nanogpt": lambda: NanoGPT(nano_config)}
+                "nanogpt": lambda: NanoGPT(nano_config),
+                "fused_layernorm_no_rope": lambda: gpt2_norm_and_positions(fuse(GPT(config)))}
     if compile:
         # nanoGPT's own train.py compiles by default; compiled against compiled is the
         # like-for-like comparison, eager nanoGPT the model as its model.py runs it.

@@ -13,7 +13,8 @@ NO_GPU_RUN = ("*No GPU run recorded yet: `make bench-gpu`, on a machine with an 
               "device named.*")
 MODEL_LABELS = {"readable": "course GPT, readable", "fused": "course GPT, fused (`fuse`)",
                 "fused_compiled": "course GPT, fused + `torch.compile`",
-                "nanogpt": "nanoGPT-shaped, eager", "nanogpt_compiled": "nanoGPT-shaped, compiled"}
+                "nanogpt": "nanoGPT-shaped, eager", "nanogpt_compiled": "nanoGPT-shaped, compiled",
+                "fused_layernorm_no_rope": "ablation: fused, LayerNorm for RMSNorm, no RoPE"}
 
 
 
