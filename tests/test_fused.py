@@ -259,16 +259,21 @@ def test_bench_merge_replaces_only_the_results_it_ran(tmp_path, monkeypatch):
 
 
 def test_bench_measures_every_variant_at_equal_flops():
-    """snippets/bench/fused.py at the tiny config, one round, without compiling: every variant
-    timed, FLOPs per token equal, and the readable and fused first losses within the bound."""
+    """snippets/bench/fused.py at the tiny config, one round of two races, without compiling:
+    every variant timed, FLOPs per token equal, each ratio inside its range over the races, and
+    the readable and fused first losses within the bound."""
     from snippets.bench.fused import measure
 
-    result = measure("tiny", batch_size=2, repeats=1, compile=False)
+    result = measure("tiny", batch_size=2, repeats=1, compile=False, races=2)
     flops = result["training_flops_per_token"]
     assert flops["course_gpt"] == flops["nanogpt"]
     assert set(result["ratio_to_nanogpt"]) == {"readable", "fused", "nanogpt",
                                                 "fused_layernorm_no_rope"}
     assert all(ms > 0 for ms in result["step_ms"].values())
+    # Each ratio is the median of the races' ratios, inside the range kept beside it.
+    for name, (low, high) in result["ratio_to_nanogpt_range"].items():
+        assert low <= result["ratio_to_nanogpt"][name] <= high, (name, result)
+    assert result["ratio_to_nanogpt_range"]["nanogpt"] == [1.0, 1.0]
     loss = result["first_step_loss"]
     assert abs(loss["fused"] - loss["readable"]) <= TOLERANCE * loss["readable"]
 
@@ -305,22 +310,29 @@ def test_the_ablation_leaves_out_only_rope_and_rmsnorm():
 
 
 def test_the_pages_verdict_follows_the_recorded_bench():
-    """Session B's slides say, in words, what bench.json's fused result shows: eager, the fused
-    GPT reaches nanoGPT's model-FLOP throughput at the medium config and not at the small one,
-    and beats the readable GPT at both; the ablation (LayerNorm, no RoPE) ties with nanoGPT at
-    the small config, within the slides' 0.03 of 1, above the fused GPT; compiling makes the
-    fused step no faster beyond that noise at the medium config and gains nanoGPT little. A new
-    bench run that changes any of these makes the words wrong; this test fails then, so the
-    sentences are rewritten with the new run."""
+    """Session B's slides and the profiling page say, in words, what bench.json's fused result
+    shows: eager, the fused GPT ties with nanoGPT's model-FLOP throughput at the medium config
+    (its range over the races includes 1) and is behind it at the small one (its whole range
+    below 1), and beats the readable GPT at both; the ablation (LayerNorm, no RoPE) is ahead of
+    the fused GPT at the small config and ties with nanoGPT; compiling shortens the fused step
+    and raises its ratio at both configs, and gains nanoGPT less. A new bench run that changes
+    any of these makes the words wrong; this test fails then, so the sentences are rewritten
+    with the new run."""
     import json
     from pathlib import Path
 
     fused = json.loads((Path(__file__).parents[1] / "bench.json").read_text())["results"]["fused"]
     ratios = {config: fused[config]["ratio_to_nanogpt"] for config in ("small", "medium")}
-    assert ratios["medium"]["fused"] >= 1.0 > ratios["small"]["fused"], ratios
+    ranges = {config: fused[config]["ratio_to_nanogpt_range"] for config in ("small", "medium")}
+    low, high = ranges["medium"]["fused"]
+    assert low <= 1.0 <= high and ranges["small"]["fused"][1] < 1.0, ranges
     assert all(r["fused"] > r["readable"] for r in ratios.values()), ratios
-    ablation = ratios["small"]["fused_layernorm_no_rope"]
-    assert ablation >= 1.0 - 0.03 and ablation > ratios["small"]["fused"], ratios
+    low, high = ranges["small"]["fused_layernorm_no_rope"]
+    assert low <= 1.0 <= high, ranges
+    assert ratios["small"]["fused_layernorm_no_rope"] > ratios["small"]["fused"], ratios
+    for config in ("small", "medium"):
+        r = ratios[config]
+        assert r["fused_compiled"] > r["fused"], ratios
+        assert r["fused_compiled"] / r["fused"] > r["nanogpt_compiled"], ratios
     medium = fused["medium"]["step_ms"]
-    assert medium["fused_compiled"] >= (1.0 - 0.03) * medium["fused"], medium
-    assert ratios["medium"]["nanogpt_compiled"] < 1.05, ratios
+    assert medium["fused_compiled"] < medium["fused"], medium
