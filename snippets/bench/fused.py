@@ -3,9 +3,9 @@
 At the small and medium configs, six models train side by side in one process: the readable
 GPT, the same GPT after `fuse` (snippets/models/fused.py), the fused GPT under torch.compile, a
 nanoGPT-shaped model with the same shapes and FLOPs per token (snippets/models/nanogpt.py:
-matched_to), eager and compiled, and an ablation. Each step is forward + backward + fused AdamW on one fixed
-batch; the steps are interleaved round by round and timed by this process's CPU time
-(median_seconds), on one thread, and the whole race is run three times (measure).
+matched_to), eager and compiled, and an ablation. Each step is forward + backward + fused
+AdamW on one fixed batch; the steps are interleaved round by round and timed by this process's
+CPU time (median_seconds), on one thread, and the whole race is run three times (measure).
 With equal FLOPs per token, the ratio of model-FLOP throughputs is the inverse ratio of step
 times; both FLOP counts are computed and stored, so the claim is checked, not assumed.
 
@@ -91,9 +91,9 @@ def race(config, seq_len: int, batch_size: int, repeats: int, compile: bool, mak
     """The six models (four without compile) built from one seed, each trained by
     make_step(model, inputs, targets) on one fixed batch, the rounds interleaved
     (median_seconds, with `clock`; the first step, which compiles, by `first_clock`, since the
-    C++ compiler runs in other processes). Returns the batch, the FLOPs per token of each family, the
-    first step's loss and wall-clock seconds (compiling, for the compiled ones) and the median
-    seconds of a step, by model."""
+    C++ compiler runs in other processes). Returns the batch, the FLOPs per token of each
+    family, the first step's loss and wall-clock seconds (compiling, for the compiled ones) and
+    the median seconds of a step, by model."""
     torch.manual_seed(0)
     tokens = torch.randint(0, config.vocab_size, (batch_size, seq_len + 1), device=device)
     inputs, targets = shift_for_next_token(tokens)
@@ -122,12 +122,11 @@ def race(config, seq_len: int, batch_size: int, repeats: int, compile: bool, mak
 
 def measure(config_name: str, batch_size: int, repeats: int, compile: bool,
             races: int = 3) -> dict:
-    """The race at one config, run `races` times, each with the models built afresh. Within a
-    race, interleaving shares out what changes from round to round; what lasts the whole race
-    (where each model's buffers happen to lie, what the machine's other tenants do for minutes)
-    does not cancel, and on a shared machine it moves a ratio by several per cent from one race
-    to the next. So step times and ratios are medians over the races, and ratio_to_nanogpt_range
-    keeps the lowest and the highest, the spread a reader should expect from a rerun."""
+    """The race at one config, run `races` times, each with the models built afresh.
+    Interleaving shares out what changes from round to round, not what lasts a whole race; on a
+    shared 2-core machine a ratio moved by several per cent from one race to the next, more than
+    the medians of its rounds did. So step times and ratios are medians over the races, and
+    ratio_to_nanogpt_range keeps the lowest and the highest: the spread to expect from a rerun."""
     config = get_config(config_name)
     seq_len = config.max_position_embeddings
     runs = [race(config, seq_len, batch_size, repeats, compile, make_step) for _ in range(races)]
