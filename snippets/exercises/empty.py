@@ -101,8 +101,8 @@ def _header(exercises: list[Exercise], workspace: Path) -> list[str]:
     lines += ["The signatures and docstrings are the contract: the check uses the names below as",
               "they promise, and any helper you add is yours to name. The imports are those of",
               "the course's solution. Where a check runs your code on several gloo processes,",
-              f"each rank has {STUCK_AFTER_S:g} s to run it, imports and joining the group not counted:",
-              "a rank still running then is reported stuck, with the line it waits at.",
+              f"a gang in which no rank computes for {STUCK_AFTER_S:g} s is reported as a deadlock, with",
+              "the line each rank waits at; a slow rank that still computes is given its time.",
               '"""']
     return [line + "\n" for line in lines]
 

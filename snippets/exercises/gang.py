@@ -4,13 +4,15 @@
 the learner's file (by path) in each, and calls `worker(learner, rank, world, *args)`. It returns
 each rank's value, or raises `Stuck` / `RankFailed` with a message the learner can act on:
 
-- every process arms `faulthandler.dump_traceback_later(stuck_after_s, exit=False)`: a rank still
-  running then writes where it is (its Python stack) and stays there;
+- the parent watches each rank's CPU time. A deadlock is a gang in which nobody computes: when,
+  for stuck_after_s seconds, no rank without a result has used more than IDLE_SHARE of a core,
+  the ranks are stuck. A slow rank on a busy machine still computes, and its peers wait for it:
+  that is no deadlock, however long it takes (up to RUNNING_LIMIT_S, for a loop that never ends);
+- a stuck rank is sent SIGUSR1, on which faulthandler writes where it is (its Python stack); it
+  stays there;
 - a rank that has finished writes its result and waits; so no rank leaves while a peer may still
   wait on it, and the peer stays stuck where it is instead of failing with "Connection closed";
-- the parent waits until every rank has a result or a stack (or at most a start-up allowance +
-  stuck_after_s + a margin), then kills every process and waits for it, so none outlives the
-  check;
+- the parent then kills every process and waits for it, so none outlives the check;
 - from the stacks, `Stuck` names each waiting rank, the torch.distributed call it is in, the line
   of the learner's file that made it, and the likely cause;
 - a rank that raised while others wait is a `RankFailed`: its error and line first, then where
@@ -28,6 +30,7 @@ import multiprocessing as mp
 import os
 import pickle
 import re
+import signal
 import sys
 import tempfile
 import time
@@ -37,16 +40,24 @@ from multiprocessing import forkserver
 from pathlib import Path
 from types import ModuleType
 
+import psutil
 import torch
 import torch.distributed as dist
 
 from snippets.exercises.runner import CheckFailed, _describe
 from snippets.ports import free_port
 
-# A rank whose worker has not finished by then is taken to be stuck. Read at each run: the
-# tests of the deadlock messages lower it.
+# Seconds in which no unfinished rank computes before the gang is taken to be stuck. Read at
+# each run: the tests of the deadlock messages lower it.
 STUCK_AFTER_S = 5.0
+# "Computes": more than this share of one core. A rank blocked in gloo used 0.2-0.6% of a core
+# (main thread: 0.02-0.06 s of CPU in 10 s, a 2-core AMD EPYC under a load of 7); a working rank
+# on 2 cores shared by 16 processes gets about 12%.
+IDLE_SHARE = 0.03
+RUNNING_LIMIT_S = 60.0  # a rank still computing then is stopped: a loop that never ends
 STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
+GLOO_TIMEOUT_S = STARTUP_S + RUNNING_LIMIT_S + 10  # longer than ours: the watchdog reports first
+_SAMPLE_S = 0.1  # how often the parent reads the ranks' CPU times
 LAST_PIDS: list[int] = []  # the processes of the last run, for the test that none survives
 LAST_PRINTED: list[str] = []  # what each rank of the last run printed
 # Seconds from the last rank starting its worker to the parent having every result: how long
@@ -71,7 +82,7 @@ def _load(path: Path):
     return module
 
 
-def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
+def _rank_main(rank, world, port, path, worker, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     log = open(f"{out}/rank{rank}.out", "w", buffering=1)  # noqa: SIM115
@@ -82,16 +93,16 @@ def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
     faulthandler.dump_traceback_later(STARTUP_S, exit=True, file=stack)
     path = Path(path)
     try:
-        # gloo's own timeout is far longer than ours: our watchdog reports first, with a stack.
         dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=STARTUP_S + 10 * stuck_after_s))
+                                timeout=timedelta(seconds=GLOO_TIMEOUT_S))
         learner = _load(path)
-        # The worker's time starts now: a slow start (imports, a busy machine) is no deadlock.
+        # The watch for a deadlock starts now: a slow start (imports, a busy machine) is none.
         Path(f"{out}/rank{rank}.start").write_text(repr(time.time()))
-        # exit=False: a stuck rank writes its stack and stays where it is stuck, so a peer that
-        # waits on it goes on waiting and writes its own, instead of seeing "Connection closed
-        # by peer" and looking finished (under load, "reset by peer" too); the parent kills both.
-        faulthandler.dump_traceback_later(stuck_after_s, exit=False, file=stack)
+        faulthandler.cancel_dump_traceback_later()
+        # On the parent's SIGUSR1 a stuck rank writes its stack and stays where it is stuck, so
+        # a peer that waits on it goes on waiting and writes its own, instead of seeing
+        # "Connection closed by peer" and looking finished; the parent kills both.
+        faulthandler.register(signal.SIGUSR1, file=stack)
         result = ("ok", worker(learner, rank, world, *args))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, whatever it is
         result = ("error", _describe(err, path))
@@ -101,13 +112,16 @@ def _rank_main(rank, world, port, path, worker, args, out, stuck_after_s):
         Path(f"{out}/rank{rank}.raised").write_text("".join(
             f'  File "{f.filename}", line {f.lineno} in {f.name}\n' for f in reversed(frames)))
     faulthandler.cancel_dump_traceback_later()
+    # Finished: nothing of it to report. Ignored, not unregistered: SIGUSR1's default would
+    # end the process if the parent's signal crossed the result on its way.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     Path(f"{out}/rank{rank}.tmp").write_bytes(pickle.dumps(result))
     os.replace(f"{out}/rank{rank}.tmp", f"{out}/rank{rank}.pkl")
     # Stay alive until the parent has every rank's result and kills us: exiting now would
     # close our connections, and a peer stuck waiting for us would see "Connection closed"
     # instead of staying where it is stuck, for the watchdog to report.
     sys.stdout.flush()
-    time.sleep(stuck_after_s + 5)  # past the parent's deadline: never an orphan for long
+    time.sleep(RUNNING_LIMIT_S + 10)  # past the parent's deadline: never an orphan for long
     os._exit(0)
 
 
@@ -129,28 +143,26 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
         procs = [ctx.Process(target=_rank_main, daemon=True,
-                             args=(r, world, port, str(path), worker, args, out, stuck_after_s))
+                             args=(r, world, port, str(path), worker, args, out))
                  for r in range(world)]
         for p in procs:
             p.start()
         LAST_PIDS[:] = [p.pid for p in procs]
-        # Every rank has a result, has exited, or has written its stack (stuck) well before
-        # this deadline; it only guards against a rank that cannot.
-        deadline = time.monotonic() + STARTUP_S + stuck_after_s + 3
         results = [Path(out, f"rank{r}.pkl") for r in range(world)]
         dumps = [Path(out, f"rank{r}.stack") for r in range(world)]
-        while (not all(f.is_file() or not p.is_alive() or (d.is_file() and d.stat().st_size)
-                       for f, d, p in zip(results, dumps, procs))
-               and time.monotonic() < deadline):
-            time.sleep(0.02)
-        # Results arrive whole (written, then renamed). A stuck rank may still be writing its
-        # stack (faulthandler writes it line by line, and on a loaded machine its thread can
-        # wait for a core midway): read the dumps once their sizes have not changed for 0.2 s.
+        stuck = _wait_for_results_or_idle(procs, results, out, stuck_after_s)
+        if stuck:
+            for f, p in zip(results, procs):
+                if not f.is_file() and p.is_alive():
+                    os.kill(p.pid, signal.SIGUSR1)  # faulthandler writes its stack
+        # Results arrive whole (written, then renamed). A stuck rank writes its stack line by
+        # line, and on a loaded machine it can wait for a core midway: read the dumps once
+        # their sizes have not changed for 0.2 s.
         sizes, settle = None, time.monotonic() + 3
-        while not all(f.is_file() for f in results) and time.monotonic() < settle:
+        while stuck and time.monotonic() < settle:
             time.sleep(0.2)
             now = [d.stat().st_size if d.is_file() else 0 for d in dumps]
-            if now == sizes:
+            if now == sizes and all(n or f.is_file() for n, f in zip(now, results)):
                 break
             sizes = now
         collected = time.time()
@@ -185,9 +197,9 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
                      "ranks disagree on which piece travels at this step")
         raise RankFailed(f"on {world} processes, rank {rank} crashed (exit code "
                          f"{codes[rank]}) saying: {last}{cause}{shown}")
-    if any(stack.startswith("Timeout") for stack in stacks):  # the watchdog fired
+    if stuck:
         for r, res in enumerate(results):
-            if stacks[r].startswith("Timeout"):
+            if stacks[r].strip():
                 results[r] = None  # stuck, whatever it did after its stack was written
             elif res and res[0] == "error" and "Connection closed by peer" in res[1]:
                 results[r], stacks[r] = None, raised[r]  # a peer crashed while it waited
@@ -198,13 +210,13 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
             raise RankFailed(f"{_raised_message(world, failed)}\n  Left waiting for "
                              f"{'it' if len(failed) == 1 else 'them'}:\n  "
                              + "\n  ".join(_waiting(path, results, stacks)) + shown)
-        raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
+        raise Stuck(_stuck_message(path, results, stacks, stuck) + shown)
     # Nobody waits: a worker's own report of what it caught goes back to its check.
     failed = {r: res[1] for r, res in enumerate(results) if res and res[0] == "error"}
     if failed:
         raise RankFailed(_raised_message(world, failed) + shown)
     if any(res is None for res in results):
-        raise Stuck(_stuck_message(path, results, stacks, stuck_after_s) + shown)
+        raise Stuck(_stuck_message(path, results, stacks, "some ranks never finished") + shown)
     return [res[1] for res in results]
 
 
@@ -287,10 +299,56 @@ def _waiting(path, results, stacks) -> list[str]:
     return lines
 
 
-def _stuck_message(path, results, stacks, stuck_after_s) -> str:
+def _wait_for_results_or_idle(procs, results, out, stuck_after_s) -> str | None:
+    """Wait until every rank has a result or has exited (None), or until the ranks are stuck:
+    then say how, for the report. Stuck: once every rank has started its worker, no rank
+    without a result has computed (IDLE_SHARE of a core) for stuck_after_s seconds, or one
+    still computes RUNNING_LIMIT_S after the start."""
+    starts = [Path(out, f"rank{r}.start") for r in range(len(procs))]
+    watched = [psutil.Process(p.pid) for p in procs]
+    samples: list[tuple[float, list[float]]] = []  # (time, each rank's CPU seconds)
+    began, all_started = time.monotonic(), None
+    while True:
+        time.sleep(_SAMPLE_S)
+        now = time.monotonic()
+        busy = [r for r, (f, p) in enumerate(zip(results, procs))
+                if not f.is_file() and p.is_alive()]
+        if not busy:
+            return None
+        if all_started is None:
+            if all(s.is_file() for s in starts) or not all(p.is_alive() for p in procs):
+                all_started = now
+            elif now - began > STARTUP_S + 3:  # a rank that cannot start exits by then
+                return f"not every rank had joined the group after {STARTUP_S:.0f} s"
+            continue
+        if now - all_started > RUNNING_LIMIT_S:
+            return f"still running after {RUNNING_LIMIT_S:.0f} s"
+        samples.append((now, [_cpu_seconds(w) for w in watched]))
+        while len(samples) > 1 and now - samples[1][0] >= stuck_after_s:
+            samples.pop(0)  # the window slides: its start is the newest sample old enough
+        then, cpu_then = samples[0]
+        cpu_now = samples[-1][1]
+        if now - then >= stuck_after_s and all(
+                cpu_now[r] - cpu_then[r] < IDLE_SHARE * (now - then) for r in busy):
+            return f"for {stuck_after_s:.0f} s no rank has computed"
+
+
+def _cpu_seconds(process: psutil.Process) -> float:
+    """User + system CPU seconds of every thread of the process; 0 once it has gone."""
+    try:
+        times = process.cpu_times()
+    except psutil.NoSuchProcess:
+        return 0.0
+    return times.user + times.system
+
+
+def _stuck_message(path, results, stacks, how) -> str:
     done = [r for r, res in enumerate(results) if res is not None]
     ops = {where_stuck(stacks[r], path)[0] for r, res in enumerate(results) if res is None}
-    head = (f"a deadlock: after {stuck_after_s:.0f} s these ranks are still waiting\n  "
+    if how.startswith("still running"):  # computing, not waiting
+        return (f"{how}\n  " + "\n  ".join(_waiting(path, results, stacks)).replace(
+            " is stuck in ", " is in ") + ".\n  Likely cause: a loop that never ends")
+    head = (f"a deadlock: {how}, and these ranks are waiting\n  "
             + "\n  ".join(_waiting(path, results, stacks)))
     if done:
         cause = (f"rank{'s' if len(done) > 1 else ''} {', '.join(map(str, done))} finished "

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel
 from snippets.data.corpus import DataError
 from snippets.data.dataset import RandomWindowSampler, load_tokens, train_val_split
 from snippets.data.tokenizer import ByteTokenizer
-from snippets.dist import default_backend, init_from_env, run_main
+from snippets.dist import default_backend, init_from_env, leave_process_group, run_main
 from snippets.machine import DeviceError, pick_device
 from snippets.models.gpt import CONFIGS, GPT, ConfigError, GPTConfig, get_config
 from snippets.models.gpt import shift_for_next_token
@@ -148,6 +148,20 @@ class DistributedTrainer:
         self.sampler = self._setup_data()
         self.step = 0  # optimizer steps taken so far; the lr schedule and checkpoints use it
     # --8<-- [end:trainer-init]
+
+    def leave(self) -> None:
+        """The end of a run: leave the job's process group, if this process is in one.
+
+        A process that exits with its gloo groups alive can die with SIGABRT ("terminate called
+        without an active exception") after its work is done: gloo's threads still hold work
+        whose tensors are freed while the interpreter shuts down (pytorch/pytorch#190489). The
+        3-D trainer's 8 processes, with their many groups, did it in this course's CI."""
+        if not dist.is_initialized():
+            return  # one process, and no group made for it
+        if self.world_size > 1:
+            leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
+        else:
+            dist.destroy_process_group()  # the group of one this process made
 
     def log(self, message: str) -> None:
         if self.is_main:  # N processes printing the same line N times helps nobody
@@ -485,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"effective batch = micro-batch {tc.batch_size} x accumulation "
                 f"{tc.grad_accum_steps} x processes {trainer.world_size} x seq_len "
                 f"{trainer.seq_len} = {trainer.tokens_per_step:,} tokens per optimizer step")
-    return train(trainer, args, save=lambda: save_step(trainer, manager))
+    status = train(trainer, args, save=lambda: save_step(trainer, manager))
+    trainer.leave()
+    return status
 
 
 def train(trainer, args: argparse.Namespace, save) -> int:

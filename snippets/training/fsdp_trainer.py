@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from snippets.data.corpus import DataError
-from snippets.dist import init_mesh, leave_process_group
+from snippets.dist import init_mesh
 from snippets.machine import DeviceError
 from snippets.models.gpt import Block, ConfigError, GPTConfig, get_config
 from snippets.training.checkpoint import (CheckpointError, CheckpointManager,
@@ -406,10 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.log(f"embed_tokens.weight: {type(weight).__name__} {tuple(weight.shape)}, "
                 f"placements {weight.placements}, local piece {tuple(weight.to_local().shape)}")
     code = train(trainer, args, save)
-    if trainer.world_size > 1:
-        leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
-    else:
-        dist.destroy_process_group()  # the group of one this process made for the mesh
+    trainer.leave()
     return code
 # --8<-- [end:main]
 

@@ -374,6 +374,7 @@ def main(argv: list[str] | None = None) -> int:
     values = trainer.per_rank(trainer.optimizer_values_here())
     trainer.log(f"optimizer state per rank (values): {' | '.join(f'{v:,}' for v in values)}")
     trainer.log(f"peak memory per rank (MiB): {memory} | per-rank logs in {logs}")
+    trainer.leave()
     return status
 # --8<-- [end:main]
 
