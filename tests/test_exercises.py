@@ -1566,3 +1566,13 @@ def test_a_deadlocked_sp_or_3d_answer_fails_fast_naming_the_ranks(number, tmp_pa
     assert cause in result.message, result.message
     for pid in gang.LAST_PIDS:  # killed and reaped: no process is left behind
         assert not os.path.exists(f"/proc/{pid}"), pid
+
+
+def test_the_page_states_the_watchdogs_own_limits():
+    """phase-4.md's numbers for the deadlock watchdog are gang's constants."""
+    from snippets.exercises import gang
+
+    page = " ".join((ROOT / "docs" / "exercises" / "phase-4.md").read_text().split())
+    assert (f"has computed anything for {gang.STUCK_AFTER_S:g} s (each used under "
+            f"{gang.IDLE_SHARE:.0%} of a core)") in page
+    assert f"a rank that computes for {gang.RUNNING_LIMIT_S:g} s (a loop that never ends)" in page

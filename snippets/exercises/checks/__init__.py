@@ -13,5 +13,6 @@ warm-up forward too many, a g that all-reduces in backward, ... are computed too
 output matching one of them is named.
 
 Checks that need processes run the learner's file on gloo processes through gang.run_learner: one
-start per check, a hard time limit, and a deadlock reported with each waiting rank's call.
+start per check, a deadlock (no rank computing for 5 s) reported with each waiting rank's call,
+and a limit for a rank that never stops computing.
 """
