@@ -149,19 +149,18 @@ class DistributedTrainer:
         self.step = 0  # optimizer steps taken so far; the lr schedule and checkpoints use it
     # --8<-- [end:trainer-init]
 
+    # --8<-- [start:leave]
     def leave(self) -> None:
-        """The end of a run: leave the job's process group, if this process is in one.
-
-        A process that exits with its gloo groups alive can die with SIGABRT ("terminate called
-        without an active exception") after its work is done: gloo's threads still hold work
-        whose tensors are freed while the interpreter shuts down (pytorch/pytorch#190489). The
-        3-D trainer's 8 processes, with their many groups, did it in this course's CI."""
+        """The end of a run: destroy this process's groups, if it is in any. Left alive to the
+        interpreter's exit, gloo's threads can abort the finished process with SIGABRT,
+        "terminate called without an active exception" (pytorch/pytorch#190489)."""
         if not dist.is_initialized():
             return  # one process, and no group made for it
         if self.world_size > 1:
             leave_process_group()  # rank 0, or the agent, hosts the store: it leaves last
         else:
             dist.destroy_process_group()  # the group of one this process made
+    # --8<-- [end:leave]
 
     def log(self, message: str) -> None:
         if self.is_main:  # N processes printing the same line N times helps nobody
