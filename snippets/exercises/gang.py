@@ -83,6 +83,9 @@ def _load(path: Path):
 
 
 def _rank_main(rank, world, port, path, worker, args, out):
+    # Until its worker starts, a rank has nothing to report on the parent's SIGUSR1 (whose
+    # default would end it): its start-up has a watchdog of its own, below.
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     log = open(f"{out}/rank{rank}.out", "w", buffering=1)  # noqa: SIM115
@@ -305,7 +308,7 @@ def _wait_for_results_or_idle(procs, results, out, stuck_after_s) -> str | None:
     without a result has computed (IDLE_SHARE of a core) for stuck_after_s seconds, or one
     still computes RUNNING_LIMIT_S after the start."""
     starts = [Path(out, f"rank{r}.start") for r in range(len(procs))]
-    watched = [psutil.Process(p.pid) for p in procs]
+    watched = [_watch(p.pid) for p in procs]
     samples: list[tuple[float, list[float]]] = []  # (time, each rank's CPU seconds)
     began, all_started = time.monotonic(), None
     while True:
@@ -333,11 +336,20 @@ def _wait_for_results_or_idle(procs, results, out, stuck_after_s) -> str | None:
             return f"for {stuck_after_s:.0f} s no rank has computed"
 
 
-def _cpu_seconds(process: psutil.Process) -> float:
+def _watch(pid: int) -> psutil.Process | None:
+    try:
+        return psutil.Process(pid)
+    except psutil.NoSuchProcess:  # it has already exited: the loop reads its exit code
+        return None
+
+
+def _cpu_seconds(process: psutil.Process | None) -> float:
     """User + system CPU seconds of every thread of the process; 0 once it has gone."""
     try:
-        times = process.cpu_times()
+        times = process.cpu_times() if process else None
     except psutil.NoSuchProcess:
+        times = None
+    if times is None:
         return 0.0
     return times.user + times.system
 
