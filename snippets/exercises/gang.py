@@ -5,8 +5,8 @@ the learner's file (by path) in each, and calls `worker(learner, rank, world, *a
 each rank's value, or raises `Stuck` / `RankFailed` with a message the learner can act on:
 
 - the parent watches each rank's CPU time. A deadlock is a gang in which nobody computes: when,
-  for stuck_after_s seconds, no rank without a result has used more than IDLE_SHARE of a core,
-  the ranks are stuck. A slow rank on a busy machine still computes, and its peers wait for it:
+  for stuck_after_s seconds, no rank has used more than IDLE_SHARE of a core, and some have no
+  result, the ranks are stuck. A slow rank on a busy machine still computes, and its peers wait for it:
   that is no deadlock, however long it takes (up to RUNNING_LIMIT_S, for a loop that never ends);
 - a stuck rank is sent SIGUSR1, on which faulthandler writes where it is (its Python stack); it
   stays there;
@@ -50,9 +50,10 @@ from snippets.ports import free_port
 # Seconds in which no unfinished rank computes before the gang is taken to be stuck. Read at
 # each run: the tests of the deadlock messages lower it.
 STUCK_AFTER_S = 5.0
-# "Computes": more than this share of one core. A rank blocked in gloo used 0.2-0.6% of a core
-# (main thread: 0.02-0.06 s of CPU in 10 s, a 2-core AMD EPYC under a load of 7); a working rank
-# on 2 cores shared by 16 processes gets about 12%.
+# "Computes": more than this share of one core. A rank blocked in gloo, or finished and asleep,
+# uses 0.2-0.6% (0.02-0.06 s of CPU in 10 s, mostly gloo's network thread waking every 10 ms; a
+# 2-core AMD EPYC under a load of 7); a working rank on 2 cores shared by 16 processes gets
+# about 12%.
 IDLE_SHARE = 0.03
 RUNNING_LIMIT_S = 60.0  # a rank still computing then is stopped: a loop that never ends
 STARTUP_S = 30.0  # for imports and joining the group, on a slow or busy machine
@@ -304,11 +305,11 @@ def _waiting(path, results, stacks) -> list[str]:
 
 def _wait_for_results_or_idle(procs, results, out, stuck_after_s) -> str | None:
     """Wait until every rank has a result or has exited (None), or until the ranks are stuck:
-    then say how, for the report. Stuck: once every rank has started its worker, no rank
-    without a result has computed (IDLE_SHARE of a core) for stuck_after_s seconds, or one
-    still computes RUNNING_LIMIT_S after the start."""
+    then say how, for the report. Stuck: once every rank has started its worker, no rank has
+    computed (IDLE_SHARE of a core) for stuck_after_s seconds while some have no result, or
+    one still computes RUNNING_LIMIT_S after the start."""
     starts = [Path(out, f"rank{r}.start") for r in range(len(procs))]
-    watched = [_watch(p.pid) for p in procs]
+    watched = [_CpuTime(p.pid) for p in procs]
     samples: list[tuple[float, list[float]]] = []  # (time, each rank's CPU seconds)
     began, all_started = time.monotonic(), None
     while True:
@@ -326,32 +327,31 @@ def _wait_for_results_or_idle(procs, results, out, stuck_after_s) -> str | None:
             continue
         if now - all_started > RUNNING_LIMIT_S:
             return f"still running after {RUNNING_LIMIT_S:.0f} s"
-        samples.append((now, [_cpu_seconds(w) for w in watched]))
+        samples.append((now, [w.seconds() for w in watched]))
         while len(samples) > 1 and now - samples[1][0] >= stuck_after_s:
             samples.pop(0)  # the window slides: its start is the newest sample old enough
         then, cpu_then = samples[0]
         cpu_now = samples[-1][1]
+        # Every rank, finished ones too: a rank that computed, finished and woke its waiting
+        # peer a moment ago was progress, though the peer has not yet had a core to go on.
         if now - then >= stuck_after_s and all(
-                cpu_now[r] - cpu_then[r] < IDLE_SHARE * (now - then) for r in busy):
+                cpu_now[r] - cpu_then[r] < IDLE_SHARE * (now - then) for r in range(len(procs))):
             return f"for {stuck_after_s:.0f} s no rank has computed"
 
 
-def _watch(pid: int) -> psutil.Process | None:
-    try:
-        return psutil.Process(pid)
-    except psutil.NoSuchProcess:  # it has already exited: the loop reads its exit code
-        return None
+class _CpuTime:
+    """The CPU seconds of a process, every thread's (psutil); the last value once it has gone."""
 
+    def __init__(self, pid: int):
+        self.pid, self.last = pid, 0.0
 
-def _cpu_seconds(process: psutil.Process | None) -> float:
-    """User + system CPU seconds of every thread of the process; 0 once it has gone."""
-    try:
-        times = process.cpu_times() if process else None
-    except psutil.NoSuchProcess:
-        times = None
-    if times is None:
-        return 0.0
-    return times.user + times.system
+    def seconds(self) -> float:
+        try:
+            times = psutil.Process(self.pid).cpu_times()
+            self.last = times.user + times.system
+        except psutil.Error:
+            pass
+        return self.last
 
 
 def _stuck_message(path, results, stacks, how) -> str:
