@@ -6,8 +6,9 @@ each rank's value, or raises `Stuck` / `RankFailed` with a message the learner c
 
 - the parent watches each rank's CPU time. A deadlock is a gang in which nobody computes: when,
   for stuck_after_s seconds, no rank has used more than IDLE_SHARE of a core, and some have no
-  result, the ranks are stuck. A slow rank on a busy machine still computes, and its peers wait for it:
-  that is no deadlock, however long it takes (up to RUNNING_LIMIT_S, for a loop that never ends);
+  result, the ranks are stuck. A slow rank on a busy machine still computes, and its peers wait
+  for it: that is no deadlock, however long it takes (up to RUNNING_LIMIT_S, for a loop that
+  never ends);
 - a stuck rank is sent SIGUSR1, on which faulthandler writes where it is (its Python stack); it
   stays there;
 - a rank that has finished writes its result and waits; so no rank leaves while a peer may still
@@ -47,8 +48,8 @@ import torch.distributed as dist
 from snippets.exercises.runner import CheckFailed, _describe
 from snippets.ports import free_port
 
-# Seconds in which no unfinished rank computes before the gang is taken to be stuck. Read at
-# each run: the tests of the deadlock messages lower it.
+# Seconds in which no rank computes, while some have no result, before the gang is taken to be
+# stuck. Read at each run: the tests of the deadlock messages lower it.
 STUCK_AFTER_S = 5.0
 # "Computes": more than this share of one core. A rank blocked in gloo, or finished and asleep,
 # uses 0.2-0.6% (0.02-0.06 s of CPU in 10 s, mostly gloo's network thread waking every 10 ms; a
@@ -166,7 +167,8 @@ def run_ranks(path: Path, worker, world: int, *args, stuck_after_s: float | None
         while stuck and time.monotonic() < settle:
             time.sleep(0.2)
             now = [d.stat().st_size if d.is_file() else 0 for d in dumps]
-            if now == sizes and all(n or f.is_file() for n, f in zip(now, results)):
+            if now == sizes and all(n or f.is_file() or not p.is_alive()
+                                    for n, f, p in zip(now, results, procs)):
                 break
             sizes = now
         collected = time.time()
